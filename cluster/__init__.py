@@ -1,0 +1,1 @@
+"""The composition root: the `tandem` command line and (later) cluster launching."""

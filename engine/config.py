@@ -1,0 +1,159 @@
+"""Engine configuration: one frozen dataclass per component, composed into EngineConfig.
+
+Each component receives only its own part. Values are validated in ``__post_init__``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True, slots=True)
+class RopeScaling:
+    """llama3-style frequency scaling (HF ``rope_type: llama3``)."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+
+@dataclass(frozen=True, slots=True)
+class ModelArchConfig:
+    """The architecture of a Llama-family checkpoint, read from its config.json."""
+
+    model_type: str  # llama | mistral | qwen2
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: RopeScaling | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool  # q/k/v projections carry a bias (Qwen2)
+    sliding_window: int | None  # Mistral; caps max_model_len (no windowed attention here)
+
+    def __post_init__(self) -> None:
+        if self.model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(
+                f"model_type '{self.model_type}' is not supported (supported: {SUPPORTED_MODEL_TYPES})"
+            )
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
+
+    @classmethod
+    def from_hf_dir(cls, model_dir: Path) -> "ModelArchConfig":
+        raw = json.loads((model_dir / "config.json").read_text())
+        model_type = raw.get("model_type", "")
+        # transformers 5 writes rope settings under rope_parameters, older ones under rope_scaling
+        rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+        rope_theta = float(raw.get("rope_theta", rope.get("rope_theta", 10000.0)))
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        scaling = None
+        if rope_type == "llama3":
+            scaling = RopeScaling(
+                factor=float(rope["factor"]),
+                low_freq_factor=float(rope["low_freq_factor"]),
+                high_freq_factor=float(rope["high_freq_factor"]),
+                original_max_position_embeddings=int(rope["original_max_position_embeddings"]),
+            )
+        elif rope_type not in ("default", None):
+            raise ValueError(f"{model_dir}: rope_type '{rope_type}' is not supported (default, llama3)")
+        heads = int(raw["num_attention_heads"])
+        window = raw.get("sliding_window") if raw.get("use_sliding_window", True) else None
+        return cls(
+            model_type=model_type,
+            vocab_size=int(raw["vocab_size"]),
+            hidden_size=int(raw["hidden_size"]),
+            intermediate_size=int(raw["intermediate_size"]),
+            num_hidden_layers=int(raw["num_hidden_layers"]),
+            num_attention_heads=heads,
+            num_key_value_heads=int(raw.get("num_key_value_heads") or heads),
+            head_dim=int(raw.get("head_dim") or raw["hidden_size"] // heads),
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            rope_theta=rope_theta,
+            rope_scaling=scaling,
+            max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            attention_bias=bool(raw.get("attention_bias", model_type == "qwen2")),
+            sliding_window=int(window) if window else None,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    """Which checkpoint to run and how."""
+
+    model_dir: Path  # resolved HF-style directory
+    served_model_name: str
+    arch: ModelArchConfig
+    dtype: torch.dtype
+    max_model_len: int  # prompt + generated tokens per sequence
+    chat_template: str | None = None  # operator override (Jinja source)
+
+    def __post_init__(self) -> None:
+        if self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+
+
+@dataclass(frozen=True, slots=True)
+class CacheConfig:
+    """The paged KV cache."""
+
+    block_size: int = 16  # tokens per block
+    num_kv_blocks: int | None = None  # exact pool size; None = derive from the memory budget
+    kv_cache_memory_bytes: int = 1 << 30  # budget used when num_kv_blocks is None
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two >= 1, got {self.block_size}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    """Continuous batching limits."""
+
+    max_num_seqs: int = 64  # sequences running at once
+    max_num_batched_tokens: int = 8192  # tokens in one forward pass (prefill chunk budget)
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    model: ModelConfig
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    num_threads: int | None = None  # torch intra-op threads; None leaves torch's default
+    seed: int = 0  # seeds the random per-request seeds of unseeded requests
+
+
+def parse_dtype(name: str | torch.dtype) -> torch.dtype | None:
+    """``float32``/``bfloat16``/``float16`` (and torch dtypes) -> dtype; ``auto`` -> None."""
+    if isinstance(name, torch.dtype):
+        if name not in _DTYPES.values():
+            raise ValueError(f"dtype {name} is not supported (float32, bfloat16, float16)")
+        return name
+    aliases = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
+    key = aliases.get(name, name)
+    if key == "auto":
+        return None
+    if key not in _DTYPES:
+        raise ValueError(f"dtype '{name}' is not supported (auto, float32, bfloat16, float16)")
+    return _DTYPES[key]

@@ -1,0 +1,171 @@
+"""EngineCore: scheduler + block pool + model runner, stepped one forward pass at a time.
+
+It takes requests as token ids, and reports per step, per request, the new tokens, their
+text (incremental, stop strings enforced here) and logprobs. It knows nothing about Ray,
+gRPC or Redis; workers drive it.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import torch
+
+from engine.attention.torch_backend import TorchAttentionBackend
+from engine.config import EngineConfig
+from engine.detokenizer import IncrementalDetokenizer
+from engine.kv_cache.block_pool import BlockPool
+from engine.kv_cache.kv_cache import KVCache, num_blocks_for
+from engine.kv_cache.manager import KVCacheManager, blocks_needed
+from engine.model_info import ModelInfo
+from engine.model_runner import ModelRunner
+from engine.models.loader import load_model
+from engine.outputs import Logprob, PositionLogprobs
+from engine.request import Request, RequestStatus
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler, TokenUpdate
+from engine.scheduler_types import TokenLogprobs
+
+
+@dataclass(frozen=True, slots=True)
+class EngineCoreOutput:
+    """One request's progress in one step."""
+
+    request_id: str
+    new_token_ids: list[int]  # [0 or 1]
+    new_logprobs: list[PositionLogprobs]  # one per new token, when asked
+    new_prompt_logprobs: list[PositionLogprobs | None]  # prompt positions scored this step
+    text_delta: str  # newly safe-to-show text
+    finish_reason: str | None  # "stop" | "length" | "abort" | "error" | None
+    stop_reason: int | str | None
+    num_cached_tokens: int
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, info: ModelInfo, free_order_seed: int | None = None) -> None:
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.config = config
+        self.info = info
+        self.tokenizer = info.tokenizer
+        model_cfg = config.model
+        num_blocks = num_blocks_for(model_cfg.arch, config.cache, model_cfg.dtype)
+        capacity = num_blocks * config.cache.block_size
+        if capacity < model_cfg.max_model_len:
+            raise ValueError(
+                f"the KV cache holds {capacity} tokens ({num_blocks} blocks of "
+                f"{config.cache.block_size}) but max_model_len is {model_cfg.max_model_len}; "
+                "raise num_kv_blocks / the KV memory budget or lower max_model_len"
+            )
+        self.block_pool = BlockPool(num_blocks, free_order_seed)
+        self.kv_manager = KVCacheManager(self.block_pool, config.cache.block_size)
+        self.kv_cache = KVCache(model_cfg.arch, num_blocks, config.cache.block_size, model_cfg.dtype)
+        backend = TorchAttentionBackend()
+        self.model = load_model(model_cfg, backend)
+        self.runner = ModelRunner(self.model, self.kv_cache, backend)
+        self.scheduler = Scheduler(config.scheduler, self.kv_manager, model_cfg.max_model_len)
+        self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self._rng = random.Random(config.seed)
+
+    # -- requests ----------------------------------------------------------------------------
+    def make_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Request:
+        """Validate and build a Request (nothing is allocated)."""
+        max_len = self.config.model.max_model_len
+        if not prompt_token_ids:
+            raise ValueError("the prompt is empty; give at least one token")
+        vocab = self.config.model.arch.vocab_size
+        bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab}); got {bad[:5]}")
+        if len(prompt_token_ids) >= max_len:
+            raise ValueError(
+                f"the prompt is {len(prompt_token_ids)} tokens long, but this model's context "
+                f"(max_model_len) is {max_len} tokens, which must also fit at least one generated "
+                "token; shorten the prompt or raise max_model_len"
+            )
+        room = max_len - len(prompt_token_ids)
+        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        eos = () if params.ignore_eos else self.info.eos_token_ids
+        seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
+        return Request(request_id, list(prompt_token_ids), params, seed, eos, max_tokens)
+
+    def add_request(self, request: Request) -> None:
+        self.scheduler.add_request(request)
+        self._detokenizers[request.request_id] = IncrementalDetokenizer(
+            self.tokenizer, request.prompt_token_ids, request.sampling_params
+        )
+
+    def abort_request(self, request_id: str) -> EngineCoreOutput | None:
+        request = self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
+        detok = self._detokenizers.pop(request_id, None)
+        if request is None:
+            return None
+        return EngineCoreOutput(request_id, [], [], [], detok.take_delta(True) if detok else "",
+                                "abort", None, request.num_cached_tokens)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- stepping ----------------------------------------------------------------------------
+    def step(self) -> list[EngineCoreOutput]:
+        scheduled = self.scheduler.schedule()
+        if not scheduled.seqs:
+            return []
+        try:
+            runner_output = self.runner.execute(scheduled)
+        except Exception:
+            # a failed forward must not strand the batch's blocks: fail those requests
+            for seq in scheduled.seqs:
+                self.scheduler.finish_request(seq.request_id, RequestStatus.FINISHED_ERROR)
+                self._detokenizers.pop(seq.request_id, None)
+            raise
+        updates = self.scheduler.update_from_output(scheduled, runner_output)
+        return [self._process(update) for update in updates]
+
+    def _process(self, update: TokenUpdate) -> EngineCoreOutput:
+        request = update.request
+        detok = self._detokenizers[request.request_id]
+        params = request.sampling_params
+        # a stop token (EOS / stop_token_ids) is kept in token_ids but not in the text
+        stopped_by_token = update.finished and request.status is RequestStatus.FINISHED_STOPPED
+        for token_id in update.new_token_ids:
+            if stopped_by_token and not params.include_stop_str_in_output:
+                continue
+            stop_string = detok.add_token(token_id)
+            if stop_string is not None:
+                if not request.status.is_finished:
+                    self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
+                request.status = RequestStatus.FINISHED_STOPPED
+                request.stop_reason = stop_string
+        new_logprobs = [self._to_position(lp) for lp in update.new_logprobs]
+        for position in new_logprobs:
+            request.cumulative_logprob += position[request.output_token_ids[-1]].logprob
+        request.logprobs.extend(new_logprobs)
+        new_prompt_lp: list[PositionLogprobs | None] = [self._to_position(lp) for lp in update.new_prompt_logprobs]
+        if new_prompt_lp and not request.prompt_logprobs:
+            new_prompt_lp.insert(0, None)  # the first prompt token has no context to score it
+        request.prompt_logprobs.extend(new_prompt_lp)
+        finished = request.status.is_finished
+        if finished:
+            self._detokenizers.pop(request.request_id, None)
+        return EngineCoreOutput(
+            request_id=request.request_id,
+            new_token_ids=update.new_token_ids,
+            new_logprobs=new_logprobs,
+            new_prompt_logprobs=new_prompt_lp,
+            text_delta=detok.take_delta(finished),
+            finish_reason=request.status.finish_reason,
+            stop_reason=request.stop_reason,
+            num_cached_tokens=request.num_cached_tokens,
+        )
+
+    def _to_position(self, lp: TokenLogprobs) -> PositionLogprobs:
+        entries: PositionLogprobs = {}
+        for token_id, logprob, rank in zip(lp.token_ids, lp.logprobs, lp.ranks):
+            if token_id not in entries:
+                entries[token_id] = Logprob(logprob, rank, self.tokenizer.token_text(token_id))
+        return entries
+
+    def check_integrity(self) -> None:
+        self.kv_manager.check_integrity()

@@ -1,0 +1,12 @@
+"""Every ``TANDEM_*`` environment variable that the engine reads, read here and nowhere else."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def cache_dir() -> Path:
+    """Where fetched and converted models live (``TANDEM_CACHE_DIR``, default ~/.cache/tandem)."""
+    configured = os.environ.get("TANDEM_CACHE_DIR")
+    return Path(configured).expanduser() if configured else Path.home() / ".cache" / "tandem"

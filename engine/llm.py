@@ -1,0 +1,149 @@
+"""The offline API: ``LLM(model=...).generate(prompts, params)``, as in vLLM."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+import torch
+
+from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, parse_dtype
+from engine.engine_core import EngineCore
+from engine.llm_engine import LLMEngine
+from engine.model_info import load_model_info
+from engine.models.registry import DEFAULT_MODEL
+from engine.outputs import RequestOutput
+from engine.platform import auto_dtype
+from engine.sampling_params import SamplingParams
+
+Prompt = str | list[int] | dict
+ParamsArg = SamplingParams | Sequence[SamplingParams] | None
+
+
+class LLM:
+    """A model loaded in this process, generating for batches of prompts.
+
+    Args mirror vLLM's where they exist: ``model`` (known name, HF directory or .gguf),
+    ``dtype`` ("auto" | "float32" | "bfloat16" | "float16"), ``max_model_len``, ``block_size``,
+    ``num_kv_blocks`` / ``kv_cache_memory_bytes``, ``max_num_seqs``, ``max_num_batched_tokens``,
+    ``num_threads`` (torch threads), ``seed``, ``chat_template`` (Jinja source override).
+    """
+
+    def __init__(
+        self,
+        model: str = DEFAULT_MODEL,
+        dtype: str | torch.dtype = "auto",
+        max_model_len: int | None = None,
+        block_size: int = 16,
+        num_kv_blocks: int | None = None,
+        kv_cache_memory_bytes: int = 1 << 30,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 8192,
+        num_threads: int | None = None,
+        seed: int = 0,
+        chat_template: str | None = None,
+        served_model_name: str | None = None,
+        free_order_seed: int | None = None,
+    ) -> None:
+        if num_threads:
+            torch.set_num_threads(num_threads)
+        info = load_model_info(model, chat_template)
+        arch = info.arch
+        resolved = parse_dtype(dtype) or auto_dtype("cpu", arch.hidden_size, arch.intermediate_size)
+        limit = arch.max_position_embeddings
+        if arch.sliding_window:
+            limit = min(limit, arch.sliding_window)
+        if max_model_len is not None and max_model_len > limit:
+            raise ValueError(f"max_model_len {max_model_len} exceeds what the model supports ({limit})")
+        model_config = ModelConfig(
+            model_dir=info.model_dir,
+            served_model_name=served_model_name or model,
+            arch=arch,
+            dtype=resolved,
+            max_model_len=max_model_len or limit,
+            chat_template=chat_template,
+        )
+        self.config = EngineConfig(
+            model=model_config,
+            cache=CacheConfig(block_size, num_kv_blocks, kv_cache_memory_bytes),
+            scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens),
+            num_threads=num_threads,
+            seed=seed,
+        )
+        self.info = info
+        self.engine_core = EngineCore(self.config, info, free_order_seed)
+        self.engine = LLMEngine(self.engine_core)
+        self._ids = itertools.count()
+
+    # -- helpers -----------------------------------------------------------------------------
+    def get_tokenizer(self):
+        return self.info.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        return self.info.generation.default_params()
+
+    def _to_tokens(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            prompt = prompt["prompt"]
+        if isinstance(prompt, str):
+            return prompt, self.info.tokenizer.encode(prompt)
+        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
+            return None, list(prompt)
+        raise TypeError(f"a prompt is a string, a list of token ids, or a dict; got {type(prompt).__name__}")
+
+    # -- generation --------------------------------------------------------------------------
+    def generate(self, prompts: Prompt | Sequence[Prompt], sampling_params: ParamsArg = None) -> list[RequestOutput]:
+        """Generate for every prompt in one continuously batched run; outputs in input order."""
+        if isinstance(prompts, (str, dict)) or (
+            isinstance(prompts, (list, tuple)) and prompts and all(isinstance(t, int) for t in prompts)
+        ):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
+        if isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(prompts)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompts):
+                raise ValueError(f"got {len(prompts)} prompts but {len(params_list)} sampling params")
+        encoded = [self._to_tokens(p) for p in prompts]
+        # validate every request before queueing any, so bad input leaves nothing behind
+        for index, ((_, token_ids), params) in enumerate(zip(encoded, params_list)):
+            self.engine_core.make_request(f"validate-{index}", token_ids, params)
+        request_ids = [f"gen-{next(self._ids)}" for _ in prompts]
+        for request_id, (text, token_ids), params in zip(request_ids, encoded, params_list):
+            self.engine.add_request(request_id, text, token_ids, params)
+        return self._run(request_ids)
+
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params: ParamsArg = None,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Apply the chat template to one conversation or a list of them, then generate."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        tokenizer = self.info.tokenizer
+        prompts = []
+        for conversation in conversations:
+            text = tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt)
+            # the template writes its own special tokens (BOS etc.)
+            prompts.append({"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})
+        return self.generate(prompts, sampling_params)
+
+    def _run(self, request_ids: list[str]) -> list[RequestOutput]:
+        finished: dict[str, RequestOutput] = {}
+        try:
+            while len(finished) < len(request_ids):
+                for output in self.engine.step():
+                    if output.finished:
+                        finished[output.request_id] = output
+        finally:
+            # an interrupt or a failed step must not leave requests holding blocks
+            for request_id in request_ids:
+                if request_id not in finished:
+                    self.engine.abort_request(request_id)
+        return [finished[request_id] for request_id in request_ids]

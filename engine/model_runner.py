@@ -1,0 +1,87 @@
+"""Turns a SchedulerOutput into one forward pass, then samples: SchedulerOutput -> RunnerOutput."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.attention.backend import AttentionBackend, BatchLayout
+from engine.kv_cache.kv_cache import KVCache
+from engine.models.llama import CausalLM
+from engine.sampler import Sampler, gather_logprobs
+from engine.scheduler_types import RunnerOutput, ScheduledSeq, SchedulerOutput, TokenLogprobs
+
+
+def _slots(block_ids: list[int], start: int, end: int, block_size: int) -> torch.Tensor:
+    positions = torch.arange(start, end)
+    blocks = torch.tensor(block_ids, dtype=torch.int64)[positions // block_size]
+    return blocks * block_size + positions % block_size  # [end - start]
+
+
+class ModelRunner:
+    """Owns the model and the KV tensors; runs exactly one model forward per ``execute``."""
+
+    def __init__(self, model: CausalLM, kv_cache: KVCache, backend: AttentionBackend) -> None:
+        self.model = model
+        self.kv_cache = kv_cache
+        self.backend = backend
+        self.sampler = Sampler()
+        self.num_forward_calls = 0
+
+    @torch.inference_mode()
+    def execute(self, scheduled: SchedulerOutput) -> RunnerOutput:
+        if not scheduled.seqs:
+            return RunnerOutput(sampled={}, prompt_logprobs={})
+        # decodes first: the backend batches them in one padded attention
+        seqs = sorted(scheduled.seqs, key=lambda s: len(s.token_ids) != 1)
+        input_ids, positions, slot_mapping = [], [], []
+        bs = self.kv_cache.block_size
+        for seq in seqs:
+            end = seq.start_pos + len(seq.token_ids)
+            input_ids.extend(seq.token_ids)
+            positions.append(torch.arange(seq.start_pos, end))
+            slot_mapping.append(_slots(seq.block_ids, seq.start_pos, end, bs))
+        layout = BatchLayout(
+            query_lens=[len(s.token_ids) for s in seqs],
+            seq_lens=[s.start_pos + len(s.token_ids) for s in seqs],
+            block_tables=[s.block_ids for s in seqs],
+            slot_mapping=torch.cat(slot_mapping),
+            num_decodes=sum(1 for s in seqs if len(s.token_ids) == 1),
+            block_size=bs,
+        )
+        metadata = self.backend.build_metadata(layout)
+        self.num_forward_calls += 1
+        hidden = self.model(
+            torch.tensor(input_ids, dtype=torch.int64), torch.cat(positions), self.kv_cache.layers, metadata
+        )  # [num_tokens, hidden]
+        return self._sample(seqs, hidden)
+
+    def _sample(self, seqs: list[ScheduledSeq], hidden: torch.Tensor) -> RunnerOutput:
+        # Which hidden rows need logits: each sampling seq's last token, and every prompt
+        # position of a chunk whose request asked for prompt logprobs.
+        sample_rows, sample_seqs = [], []
+        prompt_rows: list[tuple[ScheduledSeq, int, int]] = []  # (seq, first flat row, count)
+        offset = 0
+        for seq in seqs:
+            num_new = len(seq.token_ids)
+            if seq.sampling is not None:
+                sample_rows.append(offset + num_new - 1)
+                sample_seqs.append(seq)
+            if seq.prompt_logprobs is not None:
+                prompt_rows.append((seq, offset, len(seq.prompt_logprobs.target_token_ids)))
+            offset += num_new
+        sampled = {}
+        if sample_rows:
+            logits = self.model.compute_logits(hidden[sample_rows])  # [num_sampled, vocab]
+            tokens = self.sampler(logits, [seq.sampling for seq in sample_seqs])
+            sampled = {seq.request_id: token for seq, token in zip(sample_seqs, tokens)}
+        prompt_logprobs = {
+            seq.request_id: self._prompt_logprobs(seq, hidden[first : first + count])
+            for seq, first, count in prompt_rows
+        }
+        return RunnerOutput(sampled=sampled, prompt_logprobs=prompt_logprobs)
+
+    def _prompt_logprobs(self, seq: ScheduledSeq, hidden: torch.Tensor) -> list[TokenLogprobs]:
+        request = seq.prompt_logprobs
+        logprobs = self.model.compute_logits(hidden).log_softmax(dim=-1)  # [count, vocab]
+        targets = torch.tensor(request.target_token_ids, dtype=torch.int64)
+        return gather_logprobs(logprobs, targets, [request.num_top] * len(targets))

@@ -1,0 +1,228 @@
+"""Continuous batching: which requests run in the next forward pass, and with which tokens.
+
+Each step the scheduler walks the running requests in admission order and gives each the
+tokens it still lacks KV for (one for a decode, a chunk of the prompt for a prefill) under a
+per-step token budget, then admits waiting requests while blocks, sequence slots and budget
+allow. When a running request cannot get a block, the newest running request is preempted
+(its blocks freed, its tokens to be recomputed later), which keeps older requests moving.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from engine.config import SchedulerConfig
+from engine.kv_cache.manager import KVCacheManager
+from engine.request import Request, RequestStatus
+from engine.scheduler_types import (
+    PromptLogprobsInput,
+    RunnerOutput,
+    SampledToken,
+    SamplingInput,
+    ScheduledSeq,
+    SchedulerOutput,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class TokenUpdate:
+    """What one step did to one request, for the engine core to detokenize and report."""
+
+    request: Request
+    new_token_ids: list[int]  # [0 or 1]
+    new_logprobs: list  # [0 or 1] TokenLogprobs, when asked
+    new_prompt_logprobs: list  # TokenLogprobs for prompt positions covered this step
+    finished: bool  # a token-level stop (EOS, stop id, length) fired
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int) -> None:
+        self.config = config
+        self.kv = kv
+        self.max_model_len = max_model_len
+        self.waiting: deque[Request] = deque()  # WAITING and PREEMPTED, oldest first
+        self.running: list[Request] = []  # RUNNING, admission order
+        self.waiting_for_remote_kv: dict[str, Request] = {}  # WAITING_FOR_REMOTE_KV
+        self.requests: dict[str, Request] = {}  # every unfinished request
+        self.remote_kv_deadlines: dict[str, float] = {}  # request id -> monotonic deadline
+        self.num_preemptions = 0
+
+    # -- admission ---------------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id '{request.request_id}' is already in use")
+        request.status = RequestStatus.WAITING
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def add_remote_kv_request(self, request: Request, deadline_s: float) -> bool:
+        """Reserve blocks for the whole prompt and wait for its KV to arrive from elsewhere.
+
+        Returns False (and changes nothing) when the blocks are not available now."""
+        if request.request_id in self.requests:
+            raise ValueError(f"request id '{request.request_id}' is already in use")
+        if not self.kv.allocate_slots(request.request_id, request.num_prompt_tokens):
+            return False
+        request.status = RequestStatus.WAITING_FOR_REMOTE_KV
+        self.requests[request.request_id] = request
+        self.waiting_for_remote_kv[request.request_id] = request
+        self.remote_kv_deadlines[request.request_id] = time.monotonic() + deadline_s
+        return True
+
+    def finish_remote_kv(self, request_id: str, first_token_id: int) -> Request:
+        """The prompt's KV has landed in the reserved blocks: join the running batch."""
+        request = self.waiting_for_remote_kv.pop(request_id)
+        self.remote_kv_deadlines.pop(request_id, None)
+        request.num_computed_tokens = request.num_prompt_tokens
+        request.output_token_ids.append(first_token_id)
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        return request
+
+    def _expire_remote_kv(self, now: float) -> None:
+        """KV that did not arrive in time: release the reservation and recompute locally."""
+        for request_id, deadline in list(self.remote_kv_deadlines.items()):
+            if now >= deadline:
+                request = self.waiting_for_remote_kv.pop(request_id)
+                del self.remote_kv_deadlines[request_id]
+                self.kv.free(request_id)
+                request.status = RequestStatus.WAITING
+                self.waiting.appendleft(request)
+
+    # -- one step ----------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        self._expire_remote_kv(time.monotonic())
+        budget = self.config.max_num_batched_tokens
+        seqs: list[ScheduledSeq] = []
+        preempted: list[str] = []
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if not self._reserve(request, num_new, preempted):
+                break  # the request preempted itself; everything after it is gone too
+            seqs.append(self._scheduled(request, num_new))
+            budget -= num_new
+            index += 1
+        while self.waiting and not preempted and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if not self.kv.allocate_slots(request.request_id, request.num_computed_tokens + num_new):
+                break
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            seqs.append(self._scheduled(request, num_new))
+            budget -= num_new
+        total = self.config.max_num_batched_tokens - budget
+        return SchedulerOutput(seqs=seqs, num_batched_tokens=total, preempted_ids=preempted)
+
+    def _reserve(self, request: Request, num_new: int, preempted: list[str]) -> bool:
+        """Get blocks for ``num_new`` more tokens, preempting the newest runners if needed."""
+        while not self.kv.allocate_slots(request.request_id, request.num_computed_tokens + num_new):
+            victim = self.running.pop()
+            self._preempt(victim)
+            preempted.append(victim.request_id)
+            if victim is request:
+                return False
+        return True
+
+    def _preempt(self, request: Request) -> None:
+        self.kv.free(request.request_id)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def _scheduled(self, request: Request, num_new: int) -> ScheduledSeq:
+        start = request.num_computed_tokens
+        end = start + num_new
+        sampling = None
+        if end == request.num_tokens:
+            sampling = SamplingInput(
+                params=request.sampling_params,
+                seed=request.seed,
+                position=end,
+                prompt_token_ids=request.prompt_token_ids,
+                output_token_ids=request.output_token_ids,
+                eos_token_ids=request.eos_token_ids,
+            )
+        prompt_lp = None
+        # logits at positions [start, stop) score prompt tokens start+1 .. stop
+        stop = min(end, request.num_prompt_tokens - 1)
+        if request.wants_prompt_logprobs and stop > start:
+            prompt_lp = PromptLogprobsInput(
+                num_top=request.sampling_params.prompt_logprobs,
+                target_token_ids=request.prompt_token_ids[start + 1 : stop + 1],
+            )
+        return ScheduledSeq(
+            request_id=request.request_id,
+            token_ids=request.token_slice(start, end),
+            start_pos=start,
+            block_ids=list(self.kv.block_table(request.request_id)),
+            sampling=sampling,
+            prompt_logprobs=prompt_lp,
+        )
+
+    def update_from_output(self, scheduled: SchedulerOutput, output: RunnerOutput) -> list[TokenUpdate]:
+        updates = []
+        for seq in scheduled.seqs:
+            request = self.requests.get(seq.request_id)
+            if request is None or request.status is not RequestStatus.RUNNING:
+                continue  # aborted or preempted after scheduling
+            request.num_computed_tokens += len(seq.token_ids)
+            new_prompt_lp = output.prompt_logprobs.get(seq.request_id, [])
+            sampled = output.sampled.get(seq.request_id)
+            if sampled is None:
+                if new_prompt_lp:
+                    updates.append(TokenUpdate(request, [], [], new_prompt_lp, False))
+                continue
+            finished = self._append_token(request, sampled)
+            new_lp = [sampled.logprobs] if sampled.logprobs is not None else []
+            updates.append(TokenUpdate(request, [sampled.token_id], new_lp, new_prompt_lp, finished))
+        return updates
+
+    def _append_token(self, request: Request, sampled: SampledToken) -> bool:
+        token = sampled.token_id
+        request.output_token_ids.append(token)
+        params = request.sampling_params
+        num_output = len(request.output_token_ids)
+        status = None
+        if num_output >= params.min_tokens and token in request.eos_token_ids:
+            status = RequestStatus.FINISHED_STOPPED
+        elif num_output >= params.min_tokens and token in params.stop_token_ids:
+            status = RequestStatus.FINISHED_STOPPED
+            request.stop_reason = token
+        elif num_output >= request.max_tokens or request.num_tokens >= self.max_model_len:
+            status = RequestStatus.FINISHED_LENGTH
+        if status is not None:
+            self.finish_request(request.request_id, status)
+        return status is not None
+
+    # -- finishing ---------------------------------------------------------------------------
+    def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
+        """Retire a request in any state, free its blocks (idempotent; None if unknown)."""
+        assert status.is_finished
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return None
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+        elif request.status is RequestStatus.WAITING_FOR_REMOTE_KV:
+            del self.waiting_for_remote_kv[request_id]
+            self.remote_kv_deadlines.pop(request_id, None)
+        else:
+            self.waiting.remove(request)
+        request.status = status
+        self.kv.free(request_id)
+        return request
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting) + len(self.waiting_for_remote_kv)
