@@ -1,0 +1,68 @@
+"""Shared fixtures: the default model, a float32 engine on it, the transformers reference,
+and the block-pool check that runs after every test."""
+
+from __future__ import annotations
+
+import os
+import weakref
+
+import pytest
+import torch
+
+from engine.models.fetch import resolve_model
+from engine.models.registry import DEFAULT_MODEL, KNOWN_MODELS
+
+torch.set_num_threads(int(os.environ.get("TANDEM_TEST_THREADS", "2")))
+
+_ENGINES: "weakref.WeakSet" = weakref.WeakSet()
+
+
+def make_llm(**kwargs):
+    """Build an LLM that the after-test integrity check will inspect."""
+    from engine import LLM
+
+    llm = LLM(**kwargs)
+    _ENGINES.add(llm)
+    return llm
+
+
+@pytest.fixture(autouse=True)
+def _block_pool_integrity():
+    yield
+    for llm in list(_ENGINES):
+        core = llm.engine_core
+        core.check_integrity()
+        assert not core.has_unfinished_requests(), "a test left requests in the engine"
+        pool = core.block_pool
+        assert pool.num_free_blocks == pool.num_blocks, (
+            f"{pool.num_blocks - pool.num_free_blocks} KV blocks still allocated after the test"
+        )
+
+
+@pytest.fixture(scope="session")
+def smollm_dir():
+    return resolve_model(DEFAULT_MODEL)
+
+
+@pytest.fixture(scope="session")
+def smollm_gguf(smollm_dir):
+    """The original GGUF that the cached safetensors were converted from."""
+    name = KNOWN_MODELS[DEFAULT_MODEL].wheel_member.rsplit("/", 1)[-1]
+    return smollm_dir.parent / name
+
+
+@pytest.fixture(scope="session")
+def llm(smollm_dir):
+    """SmolLM2 in float32 (the reference dtype for token-equality tests)."""
+    return make_llm(model=str(smollm_dir), dtype="float32", num_kv_blocks=1024)
+
+
+@pytest.fixture(scope="session")
+def hf_smollm(smollm_gguf):
+    """transformers' own loading of the same GGUF: the independent reference."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    directory, name = str(smollm_gguf.parent), smollm_gguf.name
+    tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name)
+    model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32)
+    return model.eval(), tokenizer

@@ -1,0 +1,50 @@
+"""Reference generation with transformers and DESIGN.md's token-equality rule."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+TIE_MARGIN = 1e-3  # float32 logits closer than this may legitimately round either way
+
+
+@torch.inference_mode()
+def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> tuple[list[int], list[torch.Tensor]]:
+    """Greedy decoding with transformers' own forward and KV cache, no stopping on EOS.
+    Returns the tokens and the raw logits each was chosen from."""
+    input_ids = torch.tensor([prompt_ids])
+    past = None
+    tokens, logits_per_step = [], []
+    for _ in range(max_new_tokens):
+        out = model(input_ids=input_ids, past_key_values=past, use_cache=True)
+        logits = out.logits[0, -1].float()
+        past = out.past_key_values
+        token = int(logits.argmax())
+        tokens.append(token)
+        logits_per_step.append(logits)
+        input_ids = torch.tensor([[token]])
+    return tokens, logits_per_step
+
+
+@dataclass
+class EqualityStats:
+    compared: int = 0
+    near_ties: int = 0  # sequences where a divergence at a near-tie was allowed
+
+
+def assert_token_equal(ours: list[int], ref: list[int], ref_logits: list[torch.Tensor], stats: EqualityStats, label=""):
+    """Equal, except a divergence is allowed at a position where the reference's two best
+    logits are within TIE_MARGIN; the rest of that sequence is then not compared."""
+    stats.compared += 1
+    for position, (mine, theirs) in enumerate(zip(ours, ref)):
+        if mine != theirs:
+            top2 = ref_logits[position].topk(2).values
+            gap = float(top2[0] - top2[1])
+            assert gap < TIE_MARGIN, (
+                f"{label}: diverged at generated position {position}: ours {mine}, reference "
+                f"{theirs}, reference top-2 logit gap {gap:.2e} is not a near-tie"
+            )
+            stats.near_ties += 1
+            return
+    assert len(ours) == len(ref), f"{label}: {len(ours)} tokens vs reference {len(ref)}"
