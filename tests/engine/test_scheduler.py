@@ -1,0 +1,178 @@
+"""The scheduler on its own: hand-built runner outputs, no model."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from engine.config import SchedulerConfig
+from engine.kv_cache.block_pool import BlockPool
+from engine.kv_cache.manager import KVCacheManager
+from engine.request import Request, RequestStatus
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+from engine.scheduler_types import RunnerOutput, SampledToken
+
+EOS = 2
+
+
+def make_scheduler(num_blocks=32, block_size=4, max_num_seqs=8, budget=64, max_model_len=256):
+    kv = KVCacheManager(BlockPool(num_blocks), block_size)
+    return Scheduler(SchedulerConfig(max_num_seqs, budget), kv, max_model_len)
+
+
+def make_request(rid, prompt_len, max_tokens=8, **params):
+    sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, **params)
+    return Request(rid, list(range(10, 10 + prompt_len)), sp, seed=0, eos_token_ids=(EOS,), max_tokens=max_tokens)
+
+
+def run_step(scheduler, token_for=lambda rid: 7):
+    """Schedule, then answer with one token for every sequence that samples."""
+    out = scheduler.schedule()
+    sampled = {s.request_id: SampledToken(token_for(s.request_id), None) for s in out.seqs if s.sampling}
+    updates = scheduler.update_from_output(out, RunnerOutput(sampled=sampled, prompt_logprobs={}))
+    scheduler.kv.check_integrity()
+    return out, updates
+
+
+def test_prefill_then_decode_one_token_per_step():
+    sched = make_scheduler()
+    sched.add_request(make_request("a", 10, max_tokens=3))
+    out, updates = run_step(sched)
+    (seq,) = out.seqs
+    assert seq.start_pos == 0 and len(seq.token_ids) == 10 and seq.sampling is not None
+    assert len(seq.block_ids) == 3  # ceil(10 / 4)
+    out, _ = run_step(sched)
+    (seq,) = out.seqs
+    assert seq.start_pos == 10 and seq.token_ids == [7] and seq.sampling.position == 11
+    out, updates = run_step(sched)
+    assert updates[0].finished and updates[0].request.status is RequestStatus.FINISHED_LENGTH
+    assert not sched.has_unfinished() and sched.kv.pool.num_free_blocks == 32
+
+
+def test_continuous_batching_admits_and_retires_between_steps():
+    sched = make_scheduler()
+    sched.add_request(make_request("a", 4, max_tokens=2))
+    run_step(sched)
+    sched.add_request(make_request("b", 6, max_tokens=4))
+    out, _ = run_step(sched)  # a decodes, b prefills: one pass
+    assert [(s.request_id, len(s.token_ids)) for s in out.seqs] == [("a", 1), ("b", 6)]
+    assert "a" not in sched.requests  # a finished at max_tokens=2 and was retired immediately
+    out, _ = run_step(sched)
+    assert [s.request_id for s in out.seqs] == ["b"]
+
+
+def test_chunked_prefill_respects_token_budget():
+    sched = make_scheduler(budget=8)
+    sched.add_request(make_request("long", 20))
+    chunks = []
+    for _ in range(3):
+        out, _ = run_step(sched)
+        chunks.append((out.seqs[0].start_pos, len(out.seqs[0].token_ids), out.seqs[0].sampling is not None))
+    assert chunks == [(0, 8, False), (8, 8, False), (16, 4, True)]
+
+
+def test_max_num_seqs_limits_running():
+    sched = make_scheduler(max_num_seqs=2)
+    for rid in "abc":
+        sched.add_request(make_request(rid, 3))
+    out, _ = run_step(sched)
+    assert [s.request_id for s in out.seqs] == ["a", "b"] and len(sched.waiting) == 1
+
+
+def test_eos_stop_ids_and_min_tokens():
+    sched = make_scheduler()
+    sched.add_request(make_request("eos", 3))
+    sched.add_request(make_request("min", 3, min_tokens=2))
+    sched.add_request(make_request("ign", 3, max_tokens=2, ignore_eos=True))
+    sched.requests["ign"].eos_token_ids = ()
+    _, updates = run_step(sched, token_for=lambda rid: EOS)
+    status = {u.request.request_id: u.request.status for u in updates}
+    assert status["eos"] is RequestStatus.FINISHED_STOPPED
+    assert status["min"] is RequestStatus.RUNNING  # EOS before min_tokens does not stop
+    assert status["ign"] is RequestStatus.RUNNING
+    sched.add_request(make_request("stopid", 3, stop_token_ids=[99]))
+    _, updates = run_step(sched, token_for=lambda rid: 99 if rid == "stopid" else EOS)
+    done = {u.request.request_id: u.request for u in updates if u.finished}
+    assert done["stopid"].stop_reason == 99
+    assert done["min"].status is RequestStatus.FINISHED_STOPPED
+    assert done["ign"].status is RequestStatus.FINISHED_LENGTH
+
+
+def test_abort_frees_blocks_in_every_state():
+    sched = make_scheduler(max_num_seqs=1)
+    sched.add_request(make_request("run", 9))
+    sched.add_request(make_request("wait", 9))
+    run_step(sched)
+    assert sched.add_remote_kv_request(make_request("remote", 9), deadline_s=60)
+    for rid in ("run", "wait", "remote"):
+        assert sched.finish_request(rid, RequestStatus.FINISHED_ABORTED).status is RequestStatus.FINISHED_ABORTED
+    assert sched.finish_request("run", RequestStatus.FINISHED_ABORTED) is None  # idempotent
+    sched.kv.check_integrity()
+    assert sched.kv.pool.num_free_blocks == 32 and not sched.has_unfinished()
+
+
+def test_preemption_newest_yields_and_resumes():
+    # 6 blocks of 4 tokens: two requests of 8 prompt tokens fill 4 blocks, then grow
+    sched = make_scheduler(num_blocks=6, block_size=4)
+    sched.add_request(make_request("old", 8, max_tokens=12))
+    sched.add_request(make_request("new", 8, max_tokens=12))
+    preempted = []
+    for _ in range(30):
+        if not sched.has_unfinished():
+            break
+        out, _ = run_step(sched)
+        preempted += out.preempted_ids
+        assert "old" not in out.preempted_ids or "new" not in sched.running
+    assert preempted and preempted[0] == "new"
+    assert sched.num_preemptions == len(preempted)
+    assert not sched.has_unfinished() and sched.kv.pool.num_free_blocks == 6
+
+
+def test_preempted_request_recomputes_all_its_tokens():
+    sched = make_scheduler(num_blocks=6, block_size=4)
+    old, new = make_request("old", 8, max_tokens=12), make_request("new", 8, max_tokens=12)
+    sched.add_request(old)
+    sched.add_request(new)
+    while new.num_preemptions == 0:
+        run_step(sched)
+    assert new.status is RequestStatus.PREEMPTED and new.num_computed_tokens == 0
+    generated = list(new.output_token_ids)
+    while new.status is not RequestStatus.RUNNING:
+        out, _ = run_step(sched)
+    seq = next(s for s in out.seqs if s.request_id == "new")
+    assert seq.start_pos == 0 and seq.token_ids == new.prompt_token_ids + generated
+
+
+def test_remote_kv_joins_batch_and_expires():
+    sched = make_scheduler()
+    remote = make_request("r", 10)
+    assert sched.add_remote_kv_request(remote, deadline_s=60)
+    assert remote.status is RequestStatus.WAITING_FOR_REMOTE_KV
+    out = sched.schedule()
+    assert out.seqs == []  # nothing to compute until the KV lands
+    sched.finish_remote_kv("r", first_token_id=5)
+    out, _ = run_step(sched)
+    (seq,) = out.seqs
+    assert seq.start_pos == 10 and seq.token_ids == [5]
+    late = make_request("late", 10)
+    assert sched.add_remote_kv_request(late, deadline_s=0.0)
+    time.sleep(0.01)
+    out, _ = run_step(sched)  # deadline passed: reservation released, prefilled locally
+    assert late.status is RequestStatus.RUNNING
+    assert any(s.request_id == "late" and s.start_pos == 0 and len(s.token_ids) == 10 for s in out.seqs)
+
+
+def test_remote_kv_without_blocks_changes_nothing():
+    sched = make_scheduler(num_blocks=2, block_size=4)
+    assert not sched.add_remote_kv_request(make_request("big", 12), deadline_s=5)
+    assert not sched.has_unfinished() and sched.kv.pool.num_free_blocks == 2
+
+
+def test_duplicate_request_id_rejected():
+    sched = make_scheduler()
+    sched.add_request(make_request("x", 3))
+    with pytest.raises(ValueError, match="already in use"):
+        sched.add_request(make_request("x", 3))
+    sched.finish_request("x", RequestStatus.FINISHED_ABORTED)
