@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import sys
 from collections.abc import Sequence
 
 import torch
@@ -49,7 +50,11 @@ class LLM:
             torch.set_num_threads(num_threads)
         info = load_model_info(model, chat_template)
         arch = info.arch
-        resolved = parse_dtype(dtype) or auto_dtype("cpu", arch.hidden_size, arch.intermediate_size)
+        resolved = parse_dtype(dtype)
+        if resolved is None:
+            resolved = auto_dtype("cpu", arch.hidden_size, arch.intermediate_size)
+            print(f"[tandem] dtype auto -> {str(resolved).removeprefix('torch.')} (timed on this CPU)",
+                  file=sys.stderr, flush=True)
         limit = arch.max_position_embeddings
         if arch.sliding_window:
             limit = min(limit, arch.sliding_window)

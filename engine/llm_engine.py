@@ -54,6 +54,7 @@ class LLMEngine:
         self._parents[request_id] = state
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Abort every sequence of the request (idempotent; None if unknown)."""
         state = self._parents.get(request_id)
         if state is None:
             return None
@@ -61,6 +62,13 @@ class LLMEngine:
             core_output = self.core.abort_request(child_id)
             if core_output is not None:
                 self._apply(core_output)
+        # sequences the core no longer knew (failed in a step) end as aborted too
+        for child_id, completion in zip(state.child_ids, state.output.outputs):
+            if completion.finish_reason is None:
+                completion.finish_reason = "abort"
+                self._child_to_parent.pop(child_id, None)
+        state.output.finished = True
+        self._parents.pop(request_id, None)
         return state.output
 
     def has_unfinished_requests(self) -> bool:

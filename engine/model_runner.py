@@ -67,7 +67,8 @@ class ModelRunner:
                 sample_rows.append(offset + num_new - 1)
                 sample_seqs.append(seq)
             if seq.prompt_logprobs is not None:
-                prompt_rows.append((seq, offset, len(seq.prompt_logprobs.target_token_ids)))
+                lp = seq.prompt_logprobs
+                prompt_rows.append((seq, offset + lp.row_offset, len(lp.target_token_ids)))
             offset += num_new
         sampled = {}
         if sample_rows:

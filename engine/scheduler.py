@@ -150,21 +150,30 @@ class Scheduler:
                 output_token_ids=request.output_token_ids,
                 eos_token_ids=request.eos_token_ids,
             )
-        prompt_lp = None
-        # logits at positions [start, stop) score prompt tokens start+1 .. stop
-        stop = min(end, request.num_prompt_tokens - 1)
-        if request.wants_prompt_logprobs and stop > start:
-            prompt_lp = PromptLogprobsInput(
-                num_top=request.sampling_params.prompt_logprobs,
-                target_token_ids=request.prompt_token_ids[start + 1 : stop + 1],
-            )
         return ScheduledSeq(
             request_id=request.request_id,
             token_ids=request.token_slice(start, end),
             start_pos=start,
             block_ids=list(self.kv.block_table(request.request_id)),
             sampling=sampling,
-            prompt_logprobs=prompt_lp,
+            prompt_logprobs=self._prompt_logprobs_input(request, start, end),
+        )
+
+    @staticmethod
+    def _prompt_logprobs_input(request: Request, start: int, end: int) -> PromptLogprobsInput | None:
+        if not request.wants_prompt_logprobs:
+            return None
+        # logits at position p score prompt token p + 1. Positions already scored (the list
+        # holds None for token 0, then one entry per scored token) are skipped, so a
+        # preempted request that recomputes its prompt does not score it twice.
+        first = max(start, len(request.prompt_logprobs) - 1)
+        stop = min(end, request.num_prompt_tokens - 1)
+        if stop <= first:
+            return None
+        return PromptLogprobsInput(
+            num_top=request.sampling_params.prompt_logprobs,
+            row_offset=first - start,
+            target_token_ids=request.prompt_token_ids[first + 1 : stop + 1],
         )
 
     def update_from_output(self, scheduled: SchedulerOutput, output: RunnerOutput) -> list[TokenUpdate]:

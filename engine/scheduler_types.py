@@ -21,11 +21,12 @@ class SamplingInput:
 
 @dataclass(frozen=True, slots=True)
 class PromptLogprobsInput:
-    """Score prompt tokens: the logits at the chunk's first ``len(target_token_ids)``
-    positions p score prompt token p + 1 (the targets)."""
+    """Score prompt tokens: the logits at chunk rows [row_offset, row_offset + len(targets))
+    (positions p) score prompt token p + 1 (the targets)."""
 
     num_top: int  # N most likely tokens to report per position
-    target_token_ids: list[int]  # prompt tokens at positions start_pos + 1 ...
+    row_offset: int  # first chunk row to score (> 0 when earlier rows were scored before a preemption)
+    target_token_ids: list[int]  # prompt tokens at positions start_pos + row_offset + 1 ...
 
 
 @dataclass(frozen=True, slots=True)

@@ -89,3 +89,24 @@ def test_one_bad_prompt_in_a_batch_queues_nothing(llm):
         llm.generate([good, good], [SamplingParams()])
     # the after-test check asserts that every block is free and no request remains
     assert llm.engine_core.block_pool.num_free_blocks == llm.engine_core.block_pool.num_blocks
+
+
+def test_failed_forward_fails_the_batch_and_frees_everything(llm, monkeypatch):
+    runner = llm.engine_core.runner
+    calls = {"n": 0}
+    real = runner.model.forward
+
+    def flaky(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("simulated kernel failure")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(runner.model, "forward", flaky)
+    with pytest.raises(RuntimeError, match="simulated kernel failure"):
+        llm.generate(["a", "b c", "d e f"], SamplingParams(max_tokens=8, ignore_eos=True))
+    monkeypatch.undo()
+    assert not llm.engine.has_unfinished_requests()
+    pool = llm.engine_core.block_pool
+    assert pool.num_free_blocks == pool.num_blocks
+    assert len(llm.generate("still works", SamplingParams(max_tokens=3, ignore_eos=True))[0].outputs[0].token_ids) == 3

@@ -186,3 +186,23 @@ def test_logprob_values_are_probabilities(llm):
     for token, entry in zip(out.token_ids, out.logprobs):
         assert list(entry) == [token] and entry[token].rank == 1
         assert 0.0 < math.exp(entry[token].logprob) <= 1.0
+
+
+def test_chunked_prefill_and_preemption_keep_outputs(llm, smollm_dir):
+    """A tight token budget (prompts read in chunks) and a pool too small for every
+    sequence (preemption by recompute) give the same tokens and prompt logprobs."""
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, prompt_logprobs=2)
+    prompts = [p + " and then, after a long pause, it continued" for p in PROMPTS]
+    expected = llm.generate(prompts, params)
+    tight = make_llm(model=str(smollm_dir), dtype="float32", num_kv_blocks=16, max_model_len=256,
+                     max_num_batched_tokens=24)
+    got = tight.generate(prompts, params)
+    assert tight.engine_core.scheduler.num_preemptions > 0
+    mismatched = [i for i, (a, b) in enumerate(zip(expected, got)) if a.outputs[0].token_ids != b.outputs[0].token_ids]
+    assert len(mismatched) <= 1, mismatched
+    for a, b in zip(expected, got):
+        assert len(b.prompt_logprobs) == len(b.prompt_token_ids) and b.prompt_logprobs[0] is None
+        for pa, pb in zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:]):
+            assert pa.keys() == pb.keys()
+            for token_id in pa:
+                assert pb[token_id].logprob == pytest.approx(pa[token_id].logprob, abs=1e-4)
