@@ -206,3 +206,39 @@ def test_chunked_prefill_and_preemption_keep_outputs(llm, smollm_dir):
             assert pa.keys() == pb.keys()
             for token_id in pa:
                 assert pb[token_id].logprob == pytest.approx(pa[token_id].logprob, abs=1e-4)
+
+
+def test_abort_mid_generation_frees_blocks(llm):
+    engine = llm.engine
+    tokenizer = llm.get_tokenizer()
+    params = SamplingParams(n=2, temperature=0.9, max_tokens=50, ignore_eos=True)
+    engine.add_request("to-abort", PROMPTS[0], tokenizer.encode(PROMPTS[0]), params)
+    engine.add_request("to-finish", PROMPTS[1], tokenizer.encode(PROMPTS[1]), SamplingParams(max_tokens=3, ignore_eos=True))
+    for _ in range(4):
+        engine.step()
+    pool = llm.engine_core.block_pool
+    assert pool.num_free_blocks < pool.num_blocks
+    aborted = engine.abort_request("to-abort")
+    assert aborted.finished and [c.finish_reason for c in aborted.outputs] == ["abort", "abort"]
+    assert 0 < len(aborted.outputs[0].token_ids) < 50
+    assert engine.abort_request("to-abort") is None  # idempotent
+    assert not engine.has_unfinished_requests()  # the other one finished at max_tokens=3
+    assert pool.num_free_blocks == pool.num_blocks
+
+
+def test_generation_config_defaults_apply(tmp_path, smollm_dir):
+    import json
+    import shutil
+
+    model_dir = tmp_path / "with-defaults"
+    shutil.copytree(smollm_dir, model_dir)
+    (model_dir / "generation_config.json").write_text(
+        json.dumps({"eos_token_id": [2, 0], "temperature": 0.0, "max_new_tokens": 5, "top_k": 20})
+    )
+    custom = make_llm(model=str(model_dir), dtype="float32", num_kv_blocks=64, max_model_len=256)
+    defaults = custom.get_default_sampling_params()
+    assert (defaults.temperature, defaults.max_tokens, defaults.top_k) == (0.0, 5, 20)
+    assert custom.info.eos_token_ids == (2, 0)
+    out = custom.generate(PROMPTS[0])[0].outputs[0]  # no params: the checkpoint's defaults
+    explicit = custom.generate(PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=5))[0].outputs[0]
+    assert out.token_ids == explicit.token_ids and len(out.token_ids) <= 5
