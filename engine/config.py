@@ -115,6 +115,7 @@ class CacheConfig:
     block_size: int = 16  # tokens per block
     num_kv_blocks: int | None = None  # exact pool size; None = derive from the memory budget
     kv_cache_memory_bytes: int = 1 << 30  # budget used when num_kv_blocks is None
+    enable_prefix_caching: bool = True  # reuse full blocks whose token prefix is already cached
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):

@@ -15,9 +15,10 @@ import torch
 from engine.attention.torch_backend import TorchAttentionBackend
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
+from engine.kv_cache.block_hash import namespace_digest
 from engine.kv_cache.block_pool import BlockPool
 from engine.kv_cache.kv_cache import KVCache, num_blocks_for
-from engine.kv_cache.manager import KVCacheManager, blocks_needed
+from engine.kv_cache.manager import KVCacheManager
 from engine.model_info import ModelInfo
 from engine.model_runner import ModelRunner
 from engine.models.loader import load_model
@@ -59,7 +60,10 @@ class EngineCore:
                 "raise num_kv_blocks / the KV memory budget or lower max_model_len"
             )
         self.block_pool = BlockPool(num_blocks, free_order_seed)
-        self.kv_manager = KVCacheManager(self.block_pool, config.cache.block_size)
+        namespace = namespace_digest(model_cfg.served_model_name, config.cache.block_size, str(model_cfg.dtype))
+        self.kv_manager = KVCacheManager(
+            self.block_pool, config.cache.block_size, namespace, config.cache.enable_prefix_caching
+        )
         self.kv_cache = KVCache(model_cfg.arch, num_blocks, config.cache.block_size, model_cfg.dtype)
         backend = TorchAttentionBackend()
         self.model = load_model(model_cfg, backend)
@@ -69,7 +73,9 @@ class EngineCore:
         self._rng = random.Random(config.seed)
 
     # -- requests ----------------------------------------------------------------------------
-    def make_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Request:
+    def make_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, cache_salt: str | None = None
+    ) -> Request:
         """Validate and build a Request (nothing is allocated)."""
         max_len = self.config.model.max_model_len
         if not prompt_token_ids:
@@ -88,7 +94,7 @@ class EngineCore:
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         eos = () if params.ignore_eos else self.info.eos_token_ids
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
-        return Request(request_id, list(prompt_token_ids), params, seed, eos, max_tokens)
+        return Request(request_id, list(prompt_token_ids), params, seed, eos, max_tokens, cache_salt=cache_salt)
 
     def add_request(self, request: Request) -> None:
         self.scheduler.add_request(request)

@@ -26,6 +26,7 @@ class ModelRunner:
         self.backend = backend
         self.sampler = Sampler()
         self.num_forward_calls = 0
+        self.num_tokens_processed = 0  # tokens fed through the model (prefix-cache hits are not)
 
     @torch.inference_mode()
     def execute(self, scheduled: SchedulerOutput) -> RunnerOutput:
@@ -50,6 +51,7 @@ class ModelRunner:
         )
         metadata = self.backend.build_metadata(layout)
         self.num_forward_calls += 1
+        self.num_tokens_processed += len(input_ids)
         hidden = self.model(
             torch.tensor(input_ids, dtype=torch.int64), torch.cat(positions), self.kv_cache.layers, metadata
         )  # [num_tokens, hidden]

@@ -68,6 +68,13 @@ class Request:
     cumulative_logprob: float = 0.0
     prompt_logprobs: list[PositionLogprobs | None] = field(default_factory=list)
     num_preemptions: int = 0
+    cache_salt: str | None = None  # isolates this request's prefix-cache blocks (tenant key)
+    block_hashes: list[bytes] = field(default_factory=list)  # prefix digests of full blocks
+
+    @property
+    def skip_prefix_cache(self) -> bool:
+        """Prompt logprobs need logits for every prompt position, so nothing is skipped."""
+        return self.sampling_params.prompt_logprobs is not None
 
     @property
     def num_prompt_tokens(self) -> int:

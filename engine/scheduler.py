@@ -76,6 +76,7 @@ class Scheduler:
         request = self.waiting_for_remote_kv.pop(request_id)
         self.remote_kv_deadlines.pop(request_id, None)
         request.num_computed_tokens = request.num_prompt_tokens
+        self.kv.cache_full_blocks(request)
         request.output_token_ids.append(first_token_id)
         request.status = RequestStatus.RUNNING
         self.running.append(request)
@@ -91,46 +92,56 @@ class Scheduler:
                 request.status = RequestStatus.WAITING
                 self.waiting.appendleft(request)
 
-    # -- one step ----------------------------------------------------------------------------
+    # -- one step ---------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         self._expire_remote_kv(time.monotonic())
         budget = self.config.max_num_batched_tokens
-        seqs: list[ScheduledSeq] = []
+        scheduled: dict[str, ScheduledSeq] = {}
         preempted: list[str] = []
-        index = 0
-        while index < len(self.running) and budget > 0:
-            request = self.running[index]
+        # Decodes first, then prompt chunks: a long prompt read in chunks never stalls the
+        # running streams. Within each group, admission order.
+        decoding = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
+        prefilling = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
+        for request in decoding + prefilling:
+            if budget <= 0:
+                break
+            if request.status is not RequestStatus.RUNNING:
+                continue  # preempted earlier in this loop
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if not self._reserve(request, num_new, preempted):
-                break  # the request preempted itself; everything after it is gone too
-            seqs.append(self._scheduled(request, num_new))
-            budget -= num_new
-            index += 1
+            while not self.kv.allocate_slots(request.request_id, request.num_computed_tokens + num_new):
+                victim = self.running.pop()  # the newest yields
+                self._preempt(victim)
+                preempted.append(victim.request_id)
+                undone = scheduled.pop(victim.request_id, None)
+                if undone is not None:
+                    budget += len(undone.token_ids)
+                if victim is request:
+                    break
+            if request.status is RequestStatus.RUNNING:
+                scheduled[request.request_id] = self._scheduled(request, num_new)
+                budget -= num_new
         while self.waiting and not preempted and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if not self.kv.allocate_slots(request.request_id, request.num_computed_tokens + num_new):
+            cached = self.kv.find_cached_prefix(request) if request.num_computed_tokens == 0 else []
+            num_cached = len(cached) * self.kv.block_size
+            num_new = min(request.num_tokens - num_cached, budget)
+            if not self.kv.allocate_slots(request.request_id, num_cached + num_new, cached):
                 break
             self.waiting.popleft()
+            if request.status is RequestStatus.WAITING and request.num_preemptions == 0:
+                self.kv.record_lookup(request.num_prompt_tokens, num_cached)
+                request.num_cached_tokens = num_cached
+            request.num_computed_tokens = num_cached
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            seqs.append(self._scheduled(request, num_new))
+            scheduled[request.request_id] = self._scheduled(request, num_new)
             budget -= num_new
-        total = self.config.max_num_batched_tokens - budget
+        seqs = list(scheduled.values())
+        total = sum(len(seq.token_ids) for seq in seqs)
         return SchedulerOutput(seqs=seqs, num_batched_tokens=total, preempted_ids=preempted)
 
-    def _reserve(self, request: Request, num_new: int, preempted: list[str]) -> bool:
-        """Get blocks for ``num_new`` more tokens, preempting the newest runners if needed."""
-        while not self.kv.allocate_slots(request.request_id, request.num_computed_tokens + num_new):
-            victim = self.running.pop()
-            self._preempt(victim)
-            preempted.append(victim.request_id)
-            if victim is request:
-                return False
-        return True
-
     def _preempt(self, request: Request) -> None:
-        self.kv.free(request.request_id)
+        self.kv.free(request.request_id)  # its full blocks stay cached: resuming may hit them
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
@@ -183,6 +194,7 @@ class Scheduler:
             if request is None or request.status is not RequestStatus.RUNNING:
                 continue  # aborted or preempted after scheduling
             request.num_computed_tokens += len(seq.token_ids)
+            self.kv.cache_full_blocks(request)  # before a finish frees the blocks
             new_prompt_lp = output.prompt_logprobs.get(seq.request_id, [])
             sampled = output.sampled.get(seq.request_id)
             if sampled is None:

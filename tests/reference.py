@@ -48,3 +48,23 @@ def assert_token_equal(ours: list[int], ref: list[int], ref_logits: list[torch.T
             stats.near_ties += 1
             return
     assert len(ours) == len(ref), f"{label}: {len(ours)} tokens vs reference {len(ref)}"
+
+
+def assert_same_as_engine_reference(ours: list[int], reference, stats: EqualityStats, label=""):
+    """The token-equality rule against another engine run (a CompletionOutput generated
+    greedily with ``logprobs>=2``): its two best logprobs give the reference's top-2 logit
+    gap at each position (log_softmax preserves differences)."""
+    gaps = []
+    for entry in reference.logprobs:
+        best = sorted((lp.logprob for lp in entry.values()), reverse=True)
+        gaps.append(best[0] - best[1])
+    stats.compared += 1
+    for position, (mine, theirs) in enumerate(zip(ours, reference.token_ids)):
+        if mine != theirs:
+            assert gaps[position] < TIE_MARGIN, (
+                f"{label}: diverged at position {position} (ours {mine}, reference {theirs}); "
+                f"reference top-2 gap {gaps[position]:.2e} is not a near-tie"
+            )
+            stats.near_ties += 1
+            return
+    assert len(ours) == len(reference.token_ids), f"{label}: {len(ours)} vs {len(reference.token_ids)} tokens"

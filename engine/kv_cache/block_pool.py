@@ -1,24 +1,31 @@
-"""The KV block pool: plain-CPU bookkeeping of which cache blocks are free and who holds them.
+"""The KV block pool: plain-CPU bookkeeping of which cache blocks are free, cached, or held.
 
-Invariants (asserted on every transition, checked in full by ``check_integrity``):
-  * every block id in [0, num_blocks) is either on the free list with ref_cnt == 0,
-    or off it with ref_cnt >= 1;
-  * no block is on the free list twice.
+A block is in one of three conditions:
+  * held:            ref_cnt >= 1, not in the free queue (maybe also cached);
+  * free and cached: ref_cnt == 0, in the free queue, its digest in ``_cached`` (its KV is a
+                     reusable prefix block until it is evicted);
+  * free:            ref_cnt == 0, in the free queue, no digest.
+The free queue is LRU: allocation takes from the front, evicting a cached block's digest;
+freed blocks go to the back. ``check_integrity`` asserts all of this.
 """
 
 from __future__ import annotations
 
 import random
-from collections import deque
+from collections import OrderedDict
 from typing import Callable
+
+from engine.kv_cache.block_hash import BlockHash
+
+Listener = Callable[[list[int]], None]
 
 
 class BlockPool:
-    """Fixed-size pool of KV block ids with reference counts.
+    """Fixed-size pool of KV block ids with reference counts and a prefix cache.
 
-    ``free_order_seed`` shuffles the initial free list (tests use it to prove that nothing
-    depends on blocks being contiguous or in order). Listeners registered with
-    ``add_free_listener`` are called with the ids of blocks that just became free.
+    ``free_order_seed`` shuffles the initial free queue (tests use it to prove nothing
+    depends on blocks being contiguous). Discard listeners are called with the ids of blocks
+    whose contents just stopped mattering: freed without a digest, or evicted from the cache.
     """
 
     def __init__(self, num_blocks: int, free_order_seed: int | None = None) -> None:
@@ -28,57 +35,109 @@ class BlockPool:
         order = list(range(num_blocks))
         if free_order_seed is not None:
             random.Random(free_order_seed).shuffle(order)
-        self._free: deque[int] = deque(order)
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(order)  # front = evict first
         self._ref_cnt = [0] * num_blocks
-        self._free_listeners: list[Callable[[list[int]], None]] = []
+        self._hash_of: list[BlockHash | None] = [None] * num_blocks
+        self._cached: dict[BlockHash, int] = {}
+        self._discard_listeners: list[Listener] = []
+        self.num_evictions = 0
 
     @property
     def num_free_blocks(self) -> int:
+        """Blocks that can be allocated (free, cached or not)."""
         return len(self._free)
 
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._cached)
+
     def usage(self) -> float:
-        """Fraction of blocks in use, 0.0 .. 1.0."""
+        """Fraction of blocks held by requests, 0.0 .. 1.0."""
         return 1.0 - len(self._free) / self.num_blocks
 
-    def add_free_listener(self, listener: Callable[[list[int]], None]) -> None:
-        self._free_listeners.append(listener)
+    def add_discard_listener(self, listener: Listener) -> None:
+        self._discard_listeners.append(listener)
+
+    def _discarded(self, block_ids: list[int]) -> None:
+        if block_ids:
+            for listener in self._discard_listeners:
+                listener(block_ids)
 
     def can_allocate(self, num_blocks: int) -> bool:
         return num_blocks <= len(self._free)
 
     def allocate(self, num_blocks: int) -> list[int]:
-        """Take ``num_blocks`` free blocks (ref_cnt 0 -> 1). Caller checks ``can_allocate``."""
+        """Take ``num_blocks`` blocks from the LRU front (ref 0 -> 1), evicting their
+        digests. Caller checks ``can_allocate``."""
         if num_blocks > len(self._free):
             raise RuntimeError(f"asked for {num_blocks} blocks, {len(self._free)} free")
-        block_ids = [self._free.popleft() for _ in range(num_blocks)]
+        block_ids = [self._free.popitem(last=False)[0] for _ in range(num_blocks)]
+        evicted = []
         for block_id in block_ids:
-            assert self._ref_cnt[block_id] == 0, f"block {block_id} on free list with refs"
+            assert self._ref_cnt[block_id] == 0, f"block {block_id} in free queue with refs"
             self._ref_cnt[block_id] = 1
+            digest = self._hash_of[block_id]
+            if digest is not None:
+                del self._cached[digest]
+                self._hash_of[block_id] = None
+                evicted.append(block_id)
+        self.num_evictions += len(evicted)
+        self._discarded(evicted)
         return block_ids
 
+    def touch(self, block_ids: list[int]) -> None:
+        """Take a reference to cached blocks (a prefix-cache hit); free ones leave the queue."""
+        for block_id in block_ids:
+            assert self._hash_of[block_id] is not None, f"touching uncached block {block_id}"
+            if self._ref_cnt[block_id] == 0:
+                del self._free[block_id]
+            self._ref_cnt[block_id] += 1
+
     def free(self, block_ids: list[int]) -> None:
-        """Drop one reference to each block; blocks reaching zero return to the free list."""
-        released = []
+        """Drop one reference to each block; at zero it joins the back of the free queue
+        (cached blocks stay reusable until evicted)."""
+        discarded = []
         for block_id in block_ids:
             assert self._ref_cnt[block_id] >= 1, f"double free of block {block_id}"
             self._ref_cnt[block_id] -= 1
             if self._ref_cnt[block_id] == 0:
-                released.append(block_id)
-        self._free.extend(released)
-        if released:
-            for listener in self._free_listeners:
-                listener(released)
+                self._free[block_id] = None
+                if self._hash_of[block_id] is None:
+                    discarded.append(block_id)
+        self._discarded(discarded)
+
+    def cache_block(self, block_id: int, digest: BlockHash) -> bool:
+        """Register a held, fully written block under its digest. False if another block
+        already carries that digest (this one then stays uncached)."""
+        assert self._ref_cnt[block_id] >= 1, f"caching unreferenced block {block_id}"
+        if digest in self._cached or self._hash_of[block_id] is not None:
+            return False
+        self._cached[digest] = block_id
+        self._hash_of[block_id] = digest
+        return True
+
+    def lookup(self, digest: BlockHash) -> int | None:
+        return self._cached.get(digest)
 
     def ref_count(self, block_id: int) -> int:
         return self._ref_cnt[block_id]
 
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached digest of a free block; returns how many were dropped."""
+        dropped = [b for b in self._free if self._hash_of[b] is not None]
+        for block_id in dropped:
+            del self._cached[self._hash_of[block_id]]
+            self._hash_of[block_id] = None
+        self._discarded(dropped)
+        return len(dropped)
+
     def check_integrity(self) -> None:
-        free = list(self._free)
-        assert len(free) == len(set(free)), "a block is on the free list twice"
-        for block_id in free:
+        for block_id in self._free:
             assert self._ref_cnt[block_id] == 0, f"free block {block_id} has refs"
-        free_set = set(free)
         for block_id, refs in enumerate(self._ref_cnt):
             assert refs >= 0, f"block {block_id} has negative refs"
-            if block_id not in free_set:
+            if block_id not in self._free:
                 assert refs >= 1, f"block {block_id} is neither free nor referenced (leaked)"
+        assert len(self._cached) == sum(h is not None for h in self._hash_of), "digest maps disagree"
+        for digest, block_id in self._cached.items():
+            assert self._hash_of[block_id] == digest, f"block {block_id} digest mismatch"

@@ -1,54 +1,123 @@
-"""Per-request block tables on top of the block pool."""
+"""Per-request block tables on top of the block pool, with prefix-cache reuse."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+from engine.kv_cache.block_hash import BlockHash, hash_blocks
 from engine.kv_cache.block_pool import BlockPool
+from engine.request import Request
 
 
 def blocks_needed(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
 
+@dataclass(slots=True)
+class PrefixCacheStats:
+    num_queried_tokens: int = 0  # prompt tokens looked up in the prefix cache
+    num_hit_tokens: int = 0  # of those, tokens whose KV was reused
+
+
 class KVCacheManager:
     """Owns every request's block table (request id -> block ids in position order).
 
-    A request holding ``n`` tokens of KV has ``ceil(n / block_size)`` blocks:
+    A request holding ``n`` tokens of KV has ``ceil(n / block_size)`` blocks; its leading
+    full blocks may be shared with other requests through the prefix cache:
 
-        block table   [ b7      | b2      | b9    ....]
-        positions      0 .. 15    16 .. 31  32 .. 32+k   (block_size 16; tail of b9 unused)
+        block table   [ b7 (cached, shared) | b2 (cached) | b9 (own, partly written) ]
+        positions       0 .. 15               16 .. 31      32 .. 32+k   (block_size 16)
+
+    Only full, computed blocks are ever cached, and a cached block is never written again:
+    new tokens always land in blocks past the cached prefix.
     """
 
-    def __init__(self, pool: BlockPool, block_size: int) -> None:
+    def __init__(self, pool: BlockPool, block_size: int, namespace: BlockHash, enable_prefix_caching: bool = True):
         self.pool = pool
         self.block_size = block_size
+        self.namespace = namespace
+        self.enable_prefix_caching = enable_prefix_caching
+        self.stats = PrefixCacheStats()
         self._tables: dict[str, list[int]] = {}
+        self._num_registered: dict[str, int] = {}  # request id -> leading blocks already cached
 
     def block_table(self, request_id: str) -> list[int]:
         return self._tables.get(request_id, [])
+
+    def block_hashes(self, request: Request) -> list[BlockHash]:
+        """Digests of the request's full blocks (prompt and output), extended incrementally."""
+        num_full = request.num_tokens // self.block_size
+        if len(request.block_hashes) < num_full:
+            salt = (request.cache_salt,) if request.cache_salt else ()
+            request.block_hashes = hash_blocks(
+                self.namespace, request.token_slice(0, num_full * self.block_size),
+                self.block_size, salt, known=request.block_hashes,
+            )
+        return request.block_hashes
+
+    def find_cached_prefix(self, request: Request) -> list[int]:
+        """Leading cached blocks this request can reuse (not yet referenced). At least one
+        token is always left to compute, so the step that finishes it can produce logits."""
+        if not self.enable_prefix_caching or request.skip_prefix_cache:
+            return []
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hits = []
+        for digest in self.block_hashes(request)[:max_blocks]:
+            block_id = self.pool.lookup(digest)
+            if block_id is None:
+                break
+            hits.append(block_id)
+        return hits
+
+    def record_lookup(self, num_queried_tokens: int, num_hit_tokens: int) -> None:
+        self.stats.num_queried_tokens += num_queried_tokens
+        self.stats.num_hit_tokens += num_hit_tokens
 
     def num_new_blocks(self, request_id: str, num_total_tokens: int) -> int:
         """Blocks to add so that the request can hold ``num_total_tokens`` tokens of KV."""
         have = len(self._tables.get(request_id, ()))
         return max(0, blocks_needed(num_total_tokens, self.block_size) - have)
 
-    def can_allocate_slots(self, request_id: str, num_total_tokens: int) -> bool:
-        return self.pool.can_allocate(self.num_new_blocks(request_id, num_total_tokens))
-
-    def allocate_slots(self, request_id: str, num_total_tokens: int) -> bool:
-        """Grow the request's table to cover ``num_total_tokens``; False (and no change) if
-        the pool is short."""
-        need = self.num_new_blocks(request_id, num_total_tokens)
-        if not self.pool.can_allocate(need):
+    def allocate_slots(self, request_id: str, num_total_tokens: int, cached_blocks: list[int] = ()) -> bool:
+        """Grow the request's table to cover ``num_total_tokens``, first with ``cached_blocks``
+        (a prefix-cache hit, only for an empty table), then with fresh blocks. Returns False
+        and changes nothing if the pool is short."""
+        need = self.num_new_blocks(request_id, num_total_tokens) - len(cached_blocks)
+        # cached hits that sit in the free queue stop being allocatable once touched
+        num_free_hits = sum(1 for b in cached_blocks if self.pool.ref_count(b) == 0)
+        if need > self.pool.num_free_blocks - num_free_hits:
             return False
         table = self._tables.setdefault(request_id, [])
-        table.extend(self.pool.allocate(need))
+        assert not cached_blocks or not table, "cached blocks only start a table"
+        self.pool.touch(list(cached_blocks))
+        table.extend(cached_blocks)
+        self._num_registered.setdefault(request_id, len(cached_blocks))
+        table.extend(self.pool.allocate(max(need, 0)))
         return True
+
+    def cache_full_blocks(self, request: Request) -> None:
+        """Register the request's newly full, computed blocks in the prefix cache."""
+        if not self.enable_prefix_caching:
+            return
+        request_id = request.request_id
+        table = self._tables.get(request_id)
+        if table is None:
+            return
+        num_full = request.num_computed_tokens // self.block_size
+        start = self._num_registered.get(request_id, 0)
+        if num_full <= start:
+            return
+        hashes = self.block_hashes(request)
+        for index in range(start, num_full):
+            self.pool.cache_block(table[index], hashes[index])
+        self._num_registered[request_id] = num_full
 
     def free(self, request_id: str) -> None:
         """Release every block of the request (idempotent)."""
         table = self._tables.pop(request_id, None)
+        self._num_registered.pop(request_id, None)
         if table:
-            # free tail first so that, with prefix caching, the LRU keeps a prefix longest
+            # tail first: the LRU then evicts a sequence's last blocks before its prefix
             self.pool.free(list(reversed(table)))
 
     @property

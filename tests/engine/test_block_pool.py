@@ -15,7 +15,7 @@ def test_allocate_free_and_integrity():
     assert sorted(a + b) == list(range(8)) and not pool.can_allocate(1)
     pool.check_integrity()
     released = []
-    pool.add_free_listener(released.extend)
+    pool.add_discard_listener(released.extend)
     pool.free(a)
     assert sorted(released) == sorted(a) and pool.num_free_blocks == 3
     with pytest.raises(AssertionError, match="double free"):
@@ -33,7 +33,7 @@ def test_shuffled_order_is_deterministic_and_not_sequential():
 
 
 def test_manager_grows_tables_and_detects_leaks():
-    manager = KVCacheManager(BlockPool(10), block_size=4)
+    manager = KVCacheManager(BlockPool(10), block_size=4, namespace=b"ns")
     assert manager.allocate_slots("r", 5)  # 2 blocks
     assert manager.allocate_slots("r", 8)  # still 2
     assert len(manager.block_table("r")) == 2

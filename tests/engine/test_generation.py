@@ -9,7 +9,7 @@ import torch
 
 from engine import SamplingParams
 from tests.conftest import make_llm
-from tests.reference import EqualityStats, assert_token_equal, hf_greedy
+from tests.reference import EqualityStats, assert_same_as_engine_reference
 
 PROMPTS = [
     "The quick brown fox",
@@ -28,32 +28,35 @@ def _ids(llm, prompts):
 def test_batch_is_one_forward_pass_per_step(llm):
     """N requests together take max_tokens steps, not N times that; each sequence equals
     the same sequence generated alone (token-equality rule, with the batch run as reference)."""
-    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2)
     runner = llm.engine_core.runner
     before = runner.num_forward_calls
     together = llm.generate(PROMPTS, params)
     assert runner.num_forward_calls - before == 12  # step 1 prefills all and samples token 1
-    alone = []
-    for prompt in PROMPTS:
+    stats = EqualityStats()
+    for prompt, batched in zip(PROMPTS, together):
         before = runner.num_forward_calls
-        alone.append(llm.generate(prompt, params)[0])
+        alone = llm.generate(prompt, params)[0].outputs[0]
         assert runner.num_forward_calls - before == 12
-    mismatched = [i for i, (a, b) in enumerate(zip(together, alone)) if a.outputs[0].token_ids != b.outputs[0].token_ids]
-    # a batch-shape-dependent rounding may flip a near-tie; it must stay rare
-    assert len(mismatched) <= 1, f"sequences {mismatched} differ between batched and alone"
+        assert_same_as_engine_reference(batched.outputs[0].token_ids, alone, stats, label=prompt)
+    print(f"batched vs alone: near-tie rule fired {stats.near_ties} of {stats.compared}")
+    assert stats.near_ties <= 1
 
 
 def test_cache_is_really_paged(smollm_dir, llm):
     """Shuffled free list + freed blocks poisoned with NaN: outputs unchanged."""
-    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
-    expected = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, logprobs=2)
+    expected = [o.outputs[0] for o in llm.generate(PROMPTS, params)]
+    stats = EqualityStats()
     paged = make_llm(model=str(smollm_dir), dtype="float32", num_kv_blocks=96, max_model_len=512, free_order_seed=1234)
     core = paged.engine_core
-    core.block_pool.add_free_listener(lambda ids: core.kv_cache.fill_blocks(ids, float("nan")))
+    core.block_pool.add_discard_listener(lambda ids: core.kv_cache.fill_blocks(ids, float("nan")))
     core.kv_cache.fill_blocks(list(range(core.block_pool.num_blocks)), float("nan"))  # never-written too
     for _ in range(2):  # the second round runs on blocks freed (and poisoned) by the first
         got = [o.outputs[0].token_ids for o in paged.generate(PROMPTS[::-1], params)][::-1]
-        assert got == expected
+        for mine, reference in zip(got, expected):
+            assert_same_as_engine_reference(mine, reference, stats, label="paged")
+    assert stats.near_ties <= 1
     # the shuffled pool really hands out scattered blocks
     probe = core.make_request("probe", list(range(10, 60)), params)
     core.add_request(probe)
@@ -191,15 +194,17 @@ def test_logprob_values_are_probabilities(llm):
 def test_chunked_prefill_and_preemption_keep_outputs(llm, smollm_dir):
     """A tight token budget (prompts read in chunks) and a pool too small for every
     sequence (preemption by recompute) give the same tokens and prompt logprobs."""
-    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, prompt_logprobs=2)
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, prompt_logprobs=2, logprobs=2)
     prompts = [p + " and then, after a long pause, it continued" for p in PROMPTS]
     expected = llm.generate(prompts, params)
     tight = make_llm(model=str(smollm_dir), dtype="float32", num_kv_blocks=16, max_model_len=256,
                      max_num_batched_tokens=24)
     got = tight.generate(prompts, params)
     assert tight.engine_core.scheduler.num_preemptions > 0
-    mismatched = [i for i, (a, b) in enumerate(zip(expected, got)) if a.outputs[0].token_ids != b.outputs[0].token_ids]
-    assert len(mismatched) <= 1, mismatched
+    stats = EqualityStats()
+    for a, b in zip(expected, got):
+        assert_same_as_engine_reference(b.outputs[0].token_ids, a.outputs[0], stats, label="tight")
+    assert stats.near_ties <= 1
     for a, b in zip(expected, got):
         assert len(b.prompt_logprobs) == len(b.prompt_token_ids) and b.prompt_logprobs[0] is None
         for pa, pb in zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:]):

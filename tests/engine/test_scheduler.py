@@ -17,14 +17,18 @@ from engine.scheduler_types import RunnerOutput, SampledToken
 EOS = 2
 
 
-def make_scheduler(num_blocks=32, block_size=4, max_num_seqs=8, budget=64, max_model_len=256):
-    kv = KVCacheManager(BlockPool(num_blocks), block_size)
+def make_scheduler(num_blocks=32, block_size=4, max_num_seqs=8, budget=64, max_model_len=256, prefix=True):
+    kv = KVCacheManager(BlockPool(num_blocks), block_size, namespace=b"test", enable_prefix_caching=prefix)
     return Scheduler(SchedulerConfig(max_num_seqs, budget), kv, max_model_len)
 
 
-def make_request(rid, prompt_len, max_tokens=8, **params):
+def make_request(rid, prompt_len=None, max_tokens=8, prompt=None, **params):
+    """Distinct request ids get distinct prompts (no accidental prefix sharing)."""
     sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, **params)
-    return Request(rid, list(range(10, 10 + prompt_len)), sp, seed=0, eos_token_ids=(EOS,), max_tokens=max_tokens)
+    if prompt is None:
+        base = 100 + 1000 * (sum(map(ord, rid)) % 97)
+        prompt = list(range(base, base + prompt_len))
+    return Request(rid, prompt, sp, seed=0, eos_token_ids=(EOS,), max_tokens=max_tokens)
 
 
 def run_step(scheduler, token_for=lambda rid: 7):
@@ -130,19 +134,25 @@ def test_preemption_newest_yields_and_resumes():
     assert not sched.has_unfinished() and sched.kv.pool.num_free_blocks == 6
 
 
-def test_preempted_request_recomputes_all_its_tokens():
-    sched = make_scheduler(num_blocks=6, block_size=4)
+@pytest.mark.parametrize("prefix", [False, True])
+def test_preempted_request_recomputes_its_tokens(prefix):
+    sched = make_scheduler(num_blocks=6, block_size=4, prefix=prefix)
     old, new = make_request("old", 8, max_tokens=12), make_request("new", 8, max_tokens=12)
     sched.add_request(old)
     sched.add_request(new)
     while new.num_preemptions == 0:
         run_step(sched)
     assert new.status is RequestStatus.PREEMPTED and new.num_computed_tokens == 0
-    generated = list(new.output_token_ids)
+    everything = new.prompt_token_ids + list(new.output_token_ids)
     while new.status is not RequestStatus.RUNNING:
         out, _ = run_step(sched)
     seq = next(s for s in out.seqs if s.request_id == "new")
-    assert seq.start_pos == 0 and seq.token_ids == new.prompt_token_ids + generated
+    if not prefix:
+        assert seq.start_pos == 0
+    # with prefix caching it resumes after whatever full blocks survived in the cache
+    assert seq.start_pos % 4 == 0 and seq.token_ids == everything[seq.start_pos :]
+    while sched.has_unfinished():
+        run_step(sched)
 
 
 def test_remote_kv_joins_batch_and_expires():
@@ -176,3 +186,100 @@ def test_duplicate_request_id_rejected():
     with pytest.raises(ValueError, match="already in use"):
         sched.add_request(make_request("x", 3))
     sched.finish_request("x", RequestStatus.FINISHED_ABORTED)
+
+
+def drain(sched):
+    while sched.has_unfinished():
+        run_step(sched)
+
+
+def test_prefix_cache_hit_skips_cached_blocks():
+    sched = make_scheduler(block_size=4)
+    shared = list(range(500, 510))  # 10 tokens: blocks [0:4] [4:8] full, [8:10] partial
+    sched.add_request(make_request("a", prompt=shared, max_tokens=2))
+    drain(sched)
+    assert sched.kv.pool.num_cached_blocks >= 2
+    b = make_request("b", prompt=shared[:8] + [7, 7, 7], max_tokens=2)
+    sched.add_request(b)
+    out, _ = run_step(sched)
+    (seq,) = out.seqs
+    assert seq.start_pos == 8 and seq.token_ids == [7, 7, 7] and b.num_cached_tokens == 8
+    assert sched.kv.stats.num_hit_tokens == 8 and sched.kv.stats.num_queried_tokens == 10 + 11
+    drain(sched)
+
+
+def test_fully_cached_prompt_still_computes_one_token():
+    sched = make_scheduler(block_size=4)
+    prompt = list(range(600, 608))  # exactly two blocks
+    sched.add_request(make_request("a", prompt=prompt, max_tokens=1))
+    drain(sched)
+    sched.add_request(make_request("b", prompt=prompt, max_tokens=1))
+    out, _ = run_step(sched)
+    assert out.seqs[0].start_pos == 4 and len(out.seqs[0].token_ids) == 4  # last block recomputed
+    assert out.seqs[0].sampling is not None
+
+
+def test_running_requests_share_blocks_and_salt_isolates():
+    sched = make_scheduler(block_size=4)
+    prompt = list(range(700, 713))
+    a = make_request("a", prompt=prompt, max_tokens=6)
+    sched.add_request(a)
+    run_step(sched)  # a computed its prompt: 3 full blocks cached while a still runs
+    b = make_request("b", prompt=prompt + [1], max_tokens=2)
+    salted = make_request("salted", prompt=prompt + [1], max_tokens=2)
+    salted.cache_salt = "tenant-2"
+    sched.add_request(b)
+    sched.add_request(salted)
+    out, _ = run_step(sched)
+    starts = {s.request_id: s.start_pos for s in out.seqs}
+    assert starts["b"] == 12 and starts["salted"] == 0
+    shared = sched.kv.block_table("a")[:3]
+    assert sched.kv.block_table("b")[:3] == shared
+    assert all(sched.kv.pool.ref_count(block) == 2 for block in shared)
+    drain(sched)
+    assert sched.kv.pool.num_free_blocks == 32
+
+
+def test_prompt_logprobs_requests_do_not_skip_prefill():
+    sched = make_scheduler(block_size=4)
+    prompt = list(range(800, 810))
+    sched.add_request(make_request("a", prompt=prompt, max_tokens=1))
+    drain(sched)
+    sched.add_request(make_request("b", prompt=prompt, max_tokens=1, prompt_logprobs=1))
+    out = sched.schedule()
+    assert out.seqs[0].start_pos == 0
+    sched.finish_request("b", RequestStatus.FINISHED_ABORTED)
+
+
+def test_lru_evicts_least_recently_freed_and_discards_content():
+    sched = make_scheduler(num_blocks=6, block_size=4)
+    discarded = []
+    sched.kv.pool.add_discard_listener(discarded.extend)
+    first, second = list(range(900, 909)), list(range(950, 959))
+    sched.add_request(make_request("first", prompt=first, max_tokens=1))
+    drain(sched)
+    sched.add_request(make_request("second", prompt=second, max_tokens=1))
+    drain(sched)
+    assert sched.kv.pool.num_cached_blocks == 4
+    # a request needing 4 fresh blocks: the 2 uncached go first, then the LRU cached ones
+    sched.add_request(make_request("third", prompt=list(range(980, 995)), max_tokens=1))
+    run_step(sched)
+    assert sched.kv.pool.num_evictions == 2
+    assert sched.kv.find_cached_prefix(make_request("x", prompt=first + [1])) == []  # first's were older
+    assert len(sched.kv.find_cached_prefix(make_request("y", prompt=second + [1]))) == 2
+    assert sched.kv.pool.num_evictions <= len(discarded)
+    drain(sched)
+
+
+def test_decodes_advance_while_a_long_prompt_is_read_in_chunks():
+    sched = make_scheduler(budget=6)
+    sched.add_request(make_request("short", 2, max_tokens=8))
+    run_step(sched)
+    sched.add_request(make_request("long", 20, max_tokens=2))
+    steps = []
+    while sched.has_unfinished():
+        out, _ = run_step(sched)
+        steps.append({s.request_id: len(s.token_ids) for s in out.seqs})
+    # every step of long's prefill also carries short's decode token
+    assert steps[:4] == [{"short": 1, "long": 5}] * 4, steps
+    assert steps[4] == {"short": 1, "long": 1}  # long decodes its second and last token
