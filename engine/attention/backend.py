@@ -49,10 +49,8 @@ class AttentionBackend(ABC):
     def forward(
         self,
         query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
-        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
-        value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
-        key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
-        value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        key_value: torch.Tensor,  # [num_tokens, 2 * num_kv_heads, head_dim]: keys, then values
+        kv_cache: torch.Tensor,  # [num_blocks, block_size, 2 * num_kv_heads, head_dim]
         metadata: object,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         """Write K/V of the new tokens, return attention output for them."""

@@ -24,8 +24,9 @@ class PrefillSeq:
 class TorchAttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] int64
     num_decodes: int
-    decode_slots: torch.Tensor  # [num_decodes, max_decode_len] int64 (padding points at slot 0)
-    decode_valid: torch.Tensor  # [num_decodes, 1, 1, max_decode_len] bool
+    decode_block_ids: torch.Tensor  # [num_decodes * max_blocks] int64, padded with block 0
+    decode_padding: torch.Tensor  # [num_decodes, max_blocks * block_size, 1, 1] bool, True = not context
+    decode_mask: torch.Tensor  # [num_decodes, 1, 1, max_blocks * block_size] bool, True = attend
     prefills: tuple[PrefillSeq, ...]
 
 
@@ -37,16 +38,20 @@ def _context_slots(block_table: list[int], seq_len: int, block_size: int) -> tor
 
 
 class TorchAttentionBackend(AttentionBackend):
+    """Decodes: each sequence's blocks are gathered whole (one index_select per cache per
+    layer), padding is zeroed and masked, and one batched SDPA call does the rest. Prefill
+    chunks: the context gathered slot by slot, SDPA with a causal (offset) mask."""
+
     def build_metadata(self, layout: BatchLayout) -> TorchAttentionMetadata:
         bs = layout.block_size
         n_dec = layout.num_decodes
-        max_len = max(layout.seq_lens[:n_dec], default=0)
-        decode_slots = torch.zeros((n_dec, max_len), dtype=torch.int64)
-        decode_valid = torch.zeros((n_dec, max_len), dtype=torch.bool)
+        max_blocks = max((len(t) for t in layout.block_tables[:n_dec]), default=0)
+        block_ids = torch.zeros((n_dec, max_blocks), dtype=torch.int64)
         for i in range(n_dec):
-            seq_len = layout.seq_lens[i]
-            decode_slots[i, :seq_len] = _context_slots(layout.block_tables[i], seq_len, bs)
-            decode_valid[i, :seq_len] = True
+            table = layout.block_tables[i]
+            block_ids[i, : len(table)] = torch.tensor(table, dtype=torch.int64)
+        seq_lens = torch.tensor(layout.seq_lens[:n_dec], dtype=torch.int64).unsqueeze(1)
+        attend = torch.arange(max_blocks * bs).unsqueeze(0) < seq_lens  # [n_dec, max_blocks * bs]
         prefills = []
         start = n_dec
         for i in range(n_dec, len(layout.query_lens)):
@@ -63,32 +68,35 @@ class TorchAttentionBackend(AttentionBackend):
         return TorchAttentionMetadata(
             slot_mapping=layout.slot_mapping,
             num_decodes=n_dec,
-            decode_slots=decode_slots,
-            decode_valid=decode_valid.view(n_dec, 1, 1, max_len),
+            decode_block_ids=block_ids.view(-1),
+            decode_padding=(~attend).view(n_dec, max_blocks * bs, 1, 1),
+            decode_mask=attend.view(n_dec, 1, 1, max_blocks * bs),
             prefills=tuple(prefills),
         )
 
-    def forward(self, query, key, value, key_cache, value_cache, metadata: TorchAttentionMetadata):
-        num_kv_heads, head_dim = key.shape[1], key.shape[2]
-        flat_k = key_cache.view(-1, num_kv_heads, head_dim)  # [num_slots, kv_heads, head_dim]
-        flat_v = value_cache.view(-1, num_kv_heads, head_dim)
-        flat_k.index_copy_(0, metadata.slot_mapping, key)
-        flat_v.index_copy_(0, metadata.slot_mapping, value)
+    def forward(self, query, key_value, kv_cache, metadata: TorchAttentionMetadata):
+        num_kv_heads = key_value.shape[1] // 2
+        head_dim = key_value.shape[2]
+        flat = kv_cache.view(-1, 2 * num_kv_heads, head_dim)  # [num_slots, 2 * kv_heads, head_dim]
+        flat.index_copy_(0, metadata.slot_mapping, key_value)
+        if not metadata.prefills:
+            return self._decode(query, kv_cache, metadata)
         out = torch.empty_like(query)
         if metadata.num_decodes:
-            out[: metadata.num_decodes] = self._decode(query[: metadata.num_decodes], flat_k, flat_v, metadata)
+            out[: metadata.num_decodes] = self._decode(query[: metadata.num_decodes], kv_cache, metadata)
         for seq in metadata.prefills:
             rows = slice(seq.query_start, seq.query_start + seq.query_len)
-            out[rows] = self._prefill(query[rows], flat_k, flat_v, seq)
+            out[rows] = self._prefill(query[rows], flat, seq)
         return out
 
     @staticmethod
-    def _prefill(query, flat_k, flat_v, seq: PrefillSeq) -> torch.Tensor:
-        q = query.transpose(0, 1).unsqueeze(0)  # [1, heads, q_len, head_dim]
-        k = flat_k[seq.context_slots].transpose(0, 1).unsqueeze(0)  # [1, kv_heads, seq_len, head_dim]
-        v = flat_v[seq.context_slots].transpose(0, 1).unsqueeze(0)
+    def _prefill(query, flat, seq: PrefillSeq) -> torch.Tensor:
+        num_kv_heads = flat.shape[1] // 2
+        context = flat.index_select(0, seq.context_slots).transpose(0, 1)  # [2 * kv_heads, seq_len, head_dim]
         out = F.scaled_dot_product_attention(
-            q, k, v,
+            query.transpose(0, 1).unsqueeze(0),  # [1, heads, q_len, head_dim]
+            context[:num_kv_heads].unsqueeze(0),  # [1, kv_heads, seq_len, head_dim]
+            context[num_kv_heads:].unsqueeze(0),
             attn_mask=seq.causal_mask,
             is_causal=seq.causal_mask is None,
             enable_gqa=True,
@@ -96,17 +104,19 @@ class TorchAttentionBackend(AttentionBackend):
         return out.squeeze(0).transpose(0, 1)
 
     @staticmethod
-    def _decode(query, flat_k, flat_v, meta: TorchAttentionMetadata) -> torch.Tensor:
+    def _decode(query, kv_cache, meta: TorchAttentionMetadata) -> torch.Tensor:
         n, num_heads, head_dim = query.shape
-        num_kv_heads = flat_k.shape[1]
-        group = num_heads // num_kv_heads
-        k = flat_k[meta.decode_slots]  # [n, max_len, kv_heads, head_dim]
-        v = flat_v[meta.decode_slots]
-        q = query.view(n, num_kv_heads, group, head_dim)
-        scores = torch.einsum("nkgd,nlkd->nkgl", q, k) * head_dim**-0.5  # [n, kv_heads, group, max_len]
-        # Padding and stale slots may hold anything (NaN too): mask scores, zero values.
-        scores = scores.masked_fill(~meta.decode_valid, float("-inf"))
-        probs = torch.softmax(scores.float(), dim=-1).to(v.dtype)
-        v = v.masked_fill(~meta.decode_valid.view(n, -1, 1, 1), 0.0)
-        out = torch.einsum("nkgl,nlkd->nkgd", probs, v)  # [n, kv_heads, group, head_dim]
-        return out.reshape(n, num_heads, head_dim)
+        num_kv_heads = kv_cache.shape[2] // 2
+        # whole blocks: [n, max_blocks * block_size, 2 * kv_heads, head_dim]
+        blocks = kv_cache.index_select(0, meta.decode_block_ids).view(n, -1, 2 * num_kv_heads, head_dim)
+        # slots past a sequence's end hold anything (NaN too): zero them, then mask them
+        blocks.masked_fill_(meta.decode_padding, 0.0)
+        context = blocks.transpose(1, 2)  # [n, 2 * kv_heads, len, head_dim]
+        out = F.scaled_dot_product_attention(
+            query.unsqueeze(2),  # [n, heads, 1, head_dim]
+            context[:, :num_kv_heads],
+            context[:, num_kv_heads:],
+            attn_mask=meta.decode_mask,
+            enable_gqa=True,
+        )  # [n, heads, 1, head_dim]
+        return out.view(n, num_heads, head_dim)

@@ -19,21 +19,19 @@ def num_blocks_for(arch: ModelArchConfig, cache: CacheConfig, dtype: torch.dtype
 
 
 class KVCache:
-    """Holds ``layers[i] = (key_cache, value_cache)``, each
-    [num_blocks, block_size, num_kv_heads, head_dim]. Slot s = block * block_size + offset."""
+    """Holds ``layers[i]``: one tensor [num_blocks, block_size, 2 * num_kv_heads, head_dim]
+    per layer, keys in heads [0, num_kv_heads) and values in the rest, so that one index op
+    writes or gathers both. Slot s = block * block_size + offset."""
 
     def __init__(self, arch: ModelArchConfig, num_blocks: int, block_size: int, dtype: torch.dtype):
-        shape = (num_blocks, block_size, arch.num_key_value_heads, arch.head_dim)
+        shape = (num_blocks, block_size, 2 * arch.num_key_value_heads, arch.head_dim)
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.layers = [
-            (torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype))
-            for _ in range(arch.num_hidden_layers)
-        ]
+        self.num_kv_heads = arch.num_key_value_heads
+        self.layers = [torch.zeros(shape, dtype=dtype) for _ in range(arch.num_hidden_layers)]
 
     def fill_blocks(self, block_ids: list[int], value: float) -> None:
-        """Overwrite whole blocks in every layer (tests poison freed blocks with NaN)."""
+        """Overwrite whole blocks in every layer (tests poison discarded blocks with NaN)."""
         index = torch.tensor(block_ids, dtype=torch.int64)
-        for key_cache, value_cache in self.layers:
-            key_cache[index] = value
-            value_cache[index] = value
+        for layer in self.layers:
+            layer[index] = value

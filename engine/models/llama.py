@@ -1,8 +1,9 @@
 """Llama-family decoder (Llama, SmolLM2, Mistral, Qwen2) over a flattened, paged batch.
 
-Parameter names follow Hugging Face so checkpoints load with ``load_state_dict``. Every
-forward takes the whole step's tokens flattened into one dimension ([num_tokens]); the
-attention backend maps them to their sequences and KV blocks.
+Every forward takes the whole step's tokens flattened into one dimension ([num_tokens]); the
+attention backend maps them to their sequences and KV blocks. Q/K/V and gate/up projections
+are fused into one matmul each (the loader concatenates the Hugging Face weights), which
+halves the kernel launches of a decode step.
 """
 
 from __future__ import annotations
@@ -15,6 +16,13 @@ from torch import nn
 
 from engine.attention.backend import AttentionBackend
 from engine.config import ModelArchConfig, RopeScaling
+from engine.models.linear import Linear
+
+# fused parameter -> the Hugging Face parameters it concatenates (along dim 0), in order
+FUSED_PARAMS = {
+    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+}
 
 
 class RMSNorm(nn.Module):
@@ -24,7 +32,12 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # normalise in float32 whatever the model dtype, as the reference implementation does
+        if x.dtype == torch.float32:
+            # sum of squares as a batched dot product: one small matmul beats a reduction
+            # kernel launch here (decode rows are tiny)
+            sum_sq = torch.matmul(x.unsqueeze(-2), x.unsqueeze(-1)).squeeze(-1)  # [T, 1]
+            return x * torch.rsqrt(sum_sq * (1.0 / x.shape[-1]) + self.eps) * self.weight
+        # normalise in float32, as the reference implementation does for low precision
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(x.dtype)
@@ -50,72 +63,90 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> t
     return torch.where(is_long, slow, torch.where(is_short, inv_freq, mid))
 
 
+def interleave_rope_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Reorder Q/K projection rows, per head, from rotate-half order (x_0 .. x_{d/2-1},
+    x_{d/2} .. x_{d-1}) to interleaved pairs (x_0, x_{d/2}, x_1, x_{d/2+1}, ...), so that RoPE
+    becomes one complex multiply in place. Q and K get the same order, so q . k is unchanged.
+
+    weight: [num_heads * head_dim, ...] (a bias too)
+    """
+    rows = weight.shape[0]
+    head_dim = rows // num_heads
+    return (
+        weight.reshape(num_heads, 2, head_dim // 2, *weight.shape[1:])
+        .transpose(1, 2)
+        .reshape(weight.shape)
+        .contiguous()
+    )
+
+
 class RotaryEmbedding(nn.Module):
-    """Rotate-half RoPE with cos/sin precomputed for every position up to max_positions."""
+    """RoPE as complex rotations e^{i * position * freq} for every position up to
+    max_positions; looked up once per step and shared by all layers."""
 
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: RopeScaling | None):
         super().__init__()
         inv_freq = rope_inv_freq(head_dim, theta, scaling)
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
-        self.register_buffer("cos", freqs.cos(), persistent=False)  # [max_positions, head_dim // 2]
-        self.register_buffer("sin", freqs.sin(), persistent=False)
+        self.register_buffer("rotations", torch.polar(torch.ones_like(freqs), freqs), persistent=False)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        # x: [num_tokens, heads, head_dim]
-        cos = self.cos[positions].unsqueeze(1).to(x.dtype)  # [num_tokens, 1, head_dim // 2]
-        sin = self.sin[positions].unsqueeze(1).to(x.dtype)
-        x1, x2 = x.chunk(2, dim=-1)
-        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    def lookup(self, positions: torch.Tensor) -> torch.Tensor:
+        return self.rotations[positions].unsqueeze(1)  # [num_tokens, 1, head_dim // 2] complex64
+
+
+def apply_rope_(x: torch.Tensor, rotations: torch.Tensor) -> None:
+    """Rotate x in place. x: [num_tokens, heads, head_dim] in interleaved-pair order."""
+    pairs = x.unflatten(-1, (-1, 2))  # [T, heads, head_dim // 2, 2]
+    if x.dtype == torch.float32:
+        torch.view_as_complex(pairs).mul_(rotations)
+    else:  # no complex bfloat16: rotate in float32 and write back
+        rotated = torch.view_as_complex(pairs.float()) * rotations
+        pairs.copy_(torch.view_as_real(rotated))
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelArchConfig, rotary: RotaryEmbedding, backend: AttentionBackend):
+    def __init__(self, cfg: ModelArchConfig, backend: AttentionBackend):
         super().__init__()
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = cfg.head_dim
-        bias = cfg.attention_bias
-        self.q_proj = nn.Linear(cfg.hidden_size, self.num_heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=False)
-        self.rotary = rotary
+        qkv_rows = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
+        self.qkv_proj = Linear(cfg.hidden_size, qkv_rows, bias=cfg.attention_bias)
+        self.o_proj = Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=False)
         self.backend = backend
 
-    def forward(self, positions, hidden, key_cache, value_cache, attn_metadata) -> torch.Tensor:
+    def forward(self, rope, hidden, kv_cache, attn_metadata) -> torch.Tensor:
         num_tokens = hidden.shape[0]
-        q = self.q_proj(hidden).view(num_tokens, self.num_heads, self.head_dim)  # q: [T, heads, head_dim]
-        k = self.k_proj(hidden).view(num_tokens, self.num_kv_heads, self.head_dim)  # k: [T, kv_heads, head_dim]
-        v = self.v_proj(hidden).view(num_tokens, self.num_kv_heads, self.head_dim)
-        q = self.rotary(positions, q)
-        k = self.rotary(positions, k)
-        out = self.backend.forward(q, k, v, key_cache, value_cache, attn_metadata)  # [T, heads, head_dim]
-        return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
+        heads = self.num_heads
+        # qkv: [T, heads + 2 * kv_heads, head_dim] = queries, keys, values
+        qkv = self.qkv_proj(hidden).view(num_tokens, heads + 2 * self.num_kv_heads, self.head_dim)
+        apply_rope_(qkv[:, : heads + self.num_kv_heads], rope)  # queries and keys, in place
+        # q: [T, heads, head_dim]; keys and values: [T, 2 * kv_heads, head_dim]
+        out = self.backend.forward(qkv[:, :heads], qkv[:, heads:], kv_cache, attn_metadata)
+        return self.o_proj(out.reshape(num_tokens, heads * self.head_dim))
 
 
 class MLP(nn.Module):
     def __init__(self, cfg: ModelArchConfig):
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [T, intermediate] each
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelArchConfig, rotary: RotaryEmbedding, backend: AttentionBackend):
+    def __init__(self, cfg: ModelArchConfig, backend: AttentionBackend):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, rotary, backend)
+        self.self_attn = Attention(cfg, backend)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, positions, hidden, key_cache, value_cache, attn_metadata):
-        hidden = hidden + self.self_attn(
-            positions, self.input_layernorm(hidden), key_cache, value_cache, attn_metadata
-        )
+    def forward(self, rope, hidden, kv_cache, attn_metadata):
+        hidden = hidden + self.self_attn(rope, self.input_layernorm(hidden), kv_cache, attn_metadata)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
@@ -123,8 +154,8 @@ class DecoderModel(nn.Module):
     def __init__(self, cfg: ModelArchConfig, max_positions: int, backend: AttentionBackend):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, rotary, backend) for _ in range(cfg.num_hidden_layers))
+        self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, backend) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
@@ -135,20 +166,26 @@ class CausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.model = DecoderModel(cfg, max_positions, backend)
-        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
     def forward(
         self,
         input_ids: torch.Tensor,  # [num_tokens]
         positions: torch.Tensor,  # [num_tokens]
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],  # per layer (key_cache, value_cache)
+        kv_caches: list[torch.Tensor],  # per layer [num_blocks, block_size, 2 * kv_heads, head_dim]
         attn_metadata: object,
     ) -> torch.Tensor:  # [num_tokens, hidden]
         hidden = self.model.embed_tokens(input_ids)
-        for layer, (key_cache, value_cache) in zip(self.model.layers, kv_caches):
-            hidden = layer(positions, hidden, key_cache, value_cache, attn_metadata)
+        rope = self.model.rotary.lookup(positions)
+        for layer, kv_cache in zip(self.model.layers, kv_caches):
+            hidden = layer(rope, hidden, kv_cache, attn_metadata)
         return self.model.norm(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, vocab] f32
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        return self.lm_head(hidden).float()
+
+    def pack_weights(self) -> None:
+        """Prepare every matmul weight for the fastest CPU kernel of its dtype."""
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.pack()

@@ -9,7 +9,7 @@ from safetensors import safe_open
 
 from engine.attention.backend import AttentionBackend
 from engine.config import ModelConfig
-from engine.models.llama import CausalLM, RotaryEmbedding
+from engine.models.llama import FUSED_PARAMS, CausalLM, RotaryEmbedding, interleave_rope_rows
 
 
 def _read_weights(model_dir: Path) -> dict[str, torch.Tensor]:
@@ -33,18 +33,41 @@ def _read_weights(model_dir: Path) -> dict[str, torch.Tensor]:
     return weights
 
 
+def _to_model_names(weights: dict[str, torch.Tensor], arch) -> dict[str, torch.Tensor]:
+    """HF parameter names and layout -> ours: Q/K rows interleaved for in-place complex RoPE,
+    q/k/v and gate/up concatenated, a tied lm_head materialised."""
+    if arch.tie_word_embeddings or "lm_head.weight" not in weights:
+        weights["lm_head.weight"] = weights["model.embed_tokens.weight"]
+    for name in list(weights):
+        if ".self_attn.q_proj." in name:
+            weights[name] = interleave_rope_rows(weights[name], arch.num_attention_heads)
+        elif ".self_attn.k_proj." in name:
+            weights[name] = interleave_rope_rows(weights[name], arch.num_key_value_heads)
+    renamed = {}
+    consumed = set()
+    for name in weights:
+        for fused, parts in FUSED_PARAMS.items():
+            for suffix in ("weight", "bias"):
+                first = f".{parts[0]}.{suffix}"
+                if name.endswith(first):
+                    prefix = name[: -len(first)]
+                    names = [f"{prefix}.{part}.{suffix}" for part in parts]
+                    if all(n in weights for n in names):
+                        renamed[f"{prefix}.{fused}.{suffix}"] = torch.cat([weights[n] for n in names])
+                        consumed.update(names)
+    for name, tensor in weights.items():
+        if name not in consumed and not name.endswith("rotary_emb.inv_freq"):
+            renamed[name] = tensor
+    return renamed
+
+
 def load_model(config: ModelConfig, backend: AttentionBackend) -> CausalLM:
     arch = config.arch
     with torch.device("meta"):
         model = CausalLM(arch, config.max_model_len, backend)
-    weights = _read_weights(config.model_dir)
-    # HF checkpoints may prefix "model." differently or carry a tied lm_head copy
-    if arch.tie_word_embeddings:
-        weights.pop("lm_head.weight", None)
+    weights = _to_model_names(_read_weights(config.model_dir), arch)
     expected = set(model.state_dict().keys())
-    missing = expected - set(weights)
-    unexpected = set(weights) - expected
-    unexpected = {n for n in unexpected if not n.endswith("rotary_emb.inv_freq")}
+    missing, unexpected = expected - set(weights), set(weights) - expected
     if missing or unexpected:
         raise ValueError(
             f"{config.model_dir}: weights do not match a {arch.model_type} model "
@@ -52,10 +75,9 @@ def load_model(config: ModelConfig, backend: AttentionBackend) -> CausalLM:
         )
     state = {name: weights[name].to(config.dtype) for name in expected}
     model.load_state_dict(state, assign=True, strict=True)
-    # buffers (RoPE tables) were created on meta; rebuild them for real
-    rotary = model.model.layers[0].self_attn.rotary if arch.num_hidden_layers else None
-    if rotary is not None:
-        real = RotaryEmbedding(arch.head_dim, config.max_model_len, arch.rope_theta, arch.rope_scaling)
-        rotary.cos = real.cos
-        rotary.sin = real.sin
-    return model.eval().requires_grad_(False)
+    # the RoPE tables were created on the meta device; build them for real (float32)
+    real = RotaryEmbedding(arch.head_dim, config.max_model_len, arch.rope_theta, arch.rope_scaling)
+    model.model.rotary.rotations = real.rotations
+    model = model.eval().requires_grad_(False)
+    model.pack_weights()
+    return model

@@ -178,7 +178,7 @@ def test_penalties_change_output_and_match_definition(llm):
 def test_dtypes_run(smollm_dir):
     for dtype in ("bfloat16", "float16"):
         low = make_llm(model=str(smollm_dir), dtype=dtype, num_kv_blocks=64, max_model_len=512)
-        assert low.engine_core.kv_cache.layers[0][0].dtype == getattr(torch, dtype)
+        assert low.engine_core.kv_cache.layers[0].dtype == getattr(torch, dtype)
         text = low.generate("The capital of France is", SamplingParams(temperature=0.0, max_tokens=6))[0].outputs[0].text
         assert "Paris" in text, (dtype, text)
         del low
