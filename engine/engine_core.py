@@ -65,7 +65,7 @@ class EngineCore:
             self.block_pool, config.cache.block_size, namespace, config.cache.enable_prefix_caching
         )
         self.kv_cache = KVCache(model_cfg.arch, num_blocks, config.cache.block_size, model_cfg.dtype)
-        backend = TorchAttentionBackend()
+        backend = TorchAttentionBackend(model_cfg.dtype)
         self.model = load_model(model_cfg, backend)
         self.runner = ModelRunner(self.model, self.kv_cache, backend)
         self.scheduler = Scheduler(config.scheduler, self.kv_manager, model_cfg.max_model_len)

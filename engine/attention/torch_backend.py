@@ -26,7 +26,7 @@ class TorchAttentionMetadata:
     num_decodes: int
     decode_block_ids: torch.Tensor  # [num_decodes * max_blocks] int64, padded with block 0
     decode_padding: torch.Tensor  # [num_decodes, max_blocks * block_size, 1, 1] bool, True = not context
-    decode_mask: torch.Tensor  # [num_decodes, 1, 1, max_blocks * block_size] bool, True = attend
+    decode_mask: torch.Tensor  # [num_decodes, 1, 1, max_blocks * block_size] additive: 0 or -inf
     prefills: tuple[PrefillSeq, ...]
 
 
@@ -38,9 +38,14 @@ def _context_slots(block_table: list[int], seq_len: int, block_size: int) -> tor
 
 
 class TorchAttentionBackend(AttentionBackend):
-    """Decodes: each sequence's blocks are gathered whole (one index_select per cache per
+    """``dtype``: the model's, for the additive masks built once per step.
+
+    Decodes: each sequence's blocks are gathered whole (one index_select per cache per
     layer), padding is zeroed and masked, and one batched SDPA call does the rest. Prefill
     chunks: the context gathered slot by slot, SDPA with a causal (offset) mask."""
+
+    def __init__(self, dtype: torch.dtype = torch.float32) -> None:
+        self.dtype = dtype
 
     def build_metadata(self, layout: BatchLayout) -> TorchAttentionMetadata:
         bs = layout.block_size
@@ -70,7 +75,9 @@ class TorchAttentionBackend(AttentionBackend):
             num_decodes=n_dec,
             decode_block_ids=block_ids.view(-1),
             decode_padding=(~attend).view(n_dec, max_blocks * bs, 1, 1),
-            decode_mask=attend.view(n_dec, 1, 1, max_blocks * bs),
+            decode_mask=torch.zeros(attend.shape, dtype=self.dtype)
+            .masked_fill_(~attend, float("-inf"))
+            .view(n_dec, 1, 1, max_blocks * bs),
             prefills=tuple(prefills),
         )
 

@@ -32,15 +32,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32:
-            # sum of squares as a batched dot product: one small matmul beats a reduction
-            # kernel launch here (decode rows are tiny)
-            sum_sq = torch.matmul(x.unsqueeze(-2), x.unsqueeze(-1)).squeeze(-1)  # [T, 1]
-            return x * torch.rsqrt(sum_sq * (1.0 / x.shape[-1]) + self.eps) * self.weight
-        # normalise in float32, as the reference implementation does for low precision
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
+        # one fused call (it normalises in float32 for low-precision inputs)
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
