@@ -48,6 +48,26 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_bench_engine(args: argparse.Namespace) -> int:
+    from bench.engine_bench import EngineBenchConfig, render_table, run_engine_bench, to_json
+
+    cfg = EngineBenchConfig(
+        model=args.model,
+        dtypes=tuple(args.dtypes.split(",")),
+        threads=args.threads,
+        prompt_len=args.prompt_len,
+        batch_sizes=tuple(int(b) for b in args.batch_sizes.split(",")),
+        decode_tokens=args.decode_tokens,
+        with_transformers=not args.no_transformers,
+    )
+    result = run_engine_bench(cfg, log=lambda line: print(line, file=sys.stderr, flush=True))
+    print(render_table(result))
+    if args.out:
+        with open(args.out, "w") as handle:
+            handle.write(to_json(result))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     from engine.models.registry import DEFAULT_MODEL
 
@@ -72,6 +92,19 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--threads", type=int, default=None, help="torch threads")
     gen.set_defaults(func=_cmd_generate)
+
+    bench = commands.add_parser("bench", help="benchmarks")
+    bench_cmds = bench.add_subparsers(dest="bench_command", required=True)
+    engine = bench_cmds.add_parser("engine", help="engine vs transformers, with the decode roofline")
+    engine.add_argument("--model", default=DEFAULT_MODEL)
+    engine.add_argument("--dtypes", default="float32,bfloat16")
+    engine.add_argument("--threads", type=int, default=2, help="torch threads, the same for both sides")
+    engine.add_argument("--prompt-len", type=int, default=1024)
+    engine.add_argument("--batch-sizes", default="1,8,32")
+    engine.add_argument("--decode-tokens", type=int, default=32)
+    engine.add_argument("--no-transformers", action="store_true", help="skip the transformers reference")
+    engine.add_argument("--out", help="write the results as JSON here")
+    engine.set_defaults(func=_cmd_bench_engine)
     return parser
 
 

@@ -1,0 +1,263 @@
+"""`tandem bench engine`: the engine against transformers on the same model, dtype and
+threads, in one run, with the machine's memory bandwidth and the decode roofline.
+
+Decode is memory-bound: each step reads every weight once, whatever the batch. So the
+roofline for a step is (weight bytes + KV bytes read) / bandwidth, and the best torch can do
+is the time its own matmul kernels take to read those weights (the "matmul ceiling").
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from bench.machine import read_bandwidth
+
+
+@dataclass(frozen=True, slots=True)
+class EngineBenchConfig:
+    model: str
+    dtypes: tuple[str, ...]  # e.g. ("float32", "bfloat16")
+    threads: int
+    prompt_len: int  # prefill benchmark prompt
+    batch_sizes: tuple[int, ...]
+    decode_tokens: int  # tokens generated per sequence in the decode benchmark
+    decode_prompt_len: int = 32
+    with_transformers: bool = True
+    seed: int = 0
+
+
+@dataclass(slots=True)
+class Row:
+    dtype: str
+    metric: str  # "prefill" | "decode"
+    batch: int
+    tandem_tok_s: float
+    transformers_tok_s: float | None
+    matmul_ceiling_tok_s: float | None  # decode only
+    roofline_tok_s: float | None  # decode only
+
+    @property
+    def ratio(self) -> float | None:
+        return self.tandem_tok_s / self.transformers_tok_s if self.transformers_tok_s else None
+
+    @property
+    def roofline_fraction(self) -> float | None:
+        return self.tandem_tok_s / self.roofline_tok_s if self.roofline_tok_s else None
+
+
+@dataclass(slots=True)
+class EngineBenchResult:
+    config: EngineBenchConfig
+    bandwidth_gb_s: float
+    auto_dtype: str
+    machine: str
+    rows: list[Row] = field(default_factory=list)
+    weight_bytes: dict[str, int] = field(default_factory=dict)  # dtype -> bytes read per step
+
+
+def _random_prompts(count: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(100, vocab - 1, (count, length), generator=generator).tolist()
+
+
+def _weight_bytes(model) -> int:
+    """Bytes of every matmul weight a decode step reads (layers and the output head)."""
+    from engine.models.linear import Linear
+
+    total = 0
+    for module in model.modules():
+        if isinstance(module, Linear):
+            total += module.in_features * module.out_features * module_dtype_size(module)
+    return total
+
+
+def module_dtype_size(module) -> int:
+    weight = module._packed if module._packed is not None else module.weight
+    return weight.element_size()
+
+
+def _matmul_ceiling(model, batch: int, dtype: torch.dtype, repeats: int = 5) -> float:
+    """Seconds per step that the step's weight matmuls alone take, with the engine's kernels."""
+    from engine.models.linear import Linear
+
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    inputs = {m.in_features: torch.randn(batch, m.in_features).to(dtype) for m in linears}
+
+    def step():
+        for module in linears:
+            module(inputs[module.in_features])
+
+    with torch.inference_mode():
+        step()
+        best = float("inf")
+        for _ in range(repeats):
+            start = time.perf_counter()
+            step()
+            best = min(best, time.perf_counter() - start)
+    return best
+
+
+class _EngineRunner:
+    """Drives one EngineCore directly, timing prefill and decode steps separately."""
+
+    def __init__(self, cfg: EngineBenchConfig, dtype: str) -> None:
+        from engine import LLM
+
+        max_len = max(cfg.prompt_len, cfg.decode_prompt_len) + cfg.decode_tokens + 16
+        self.llm = LLM(model=cfg.model, dtype=dtype, num_threads=cfg.threads, max_model_len=max_len,
+                       max_num_seqs=max(cfg.batch_sizes), max_num_batched_tokens=max(cfg.prompt_len, 2048))
+        self.core = self.llm.engine_core
+        self.core.kv_manager.enable_prefix_caching = False  # measure computing, not cache hits
+        self.cfg = cfg
+        self._ids = 0
+
+    def _add(self, prompts: list[list[int]], max_tokens: int) -> None:
+        from engine import SamplingParams
+
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        for prompt in prompts:
+            self._ids += 1
+            self.core.add_request(self.core.make_request(f"bench-{self._ids}", prompt, params))
+
+    def prefill_tok_s(self, prompt: list[int]) -> float:
+        self._add([prompt[:64]], 1)  # warm up
+        while self.core.has_unfinished_requests():
+            self.core.step()
+        self._add([prompt], 1)
+        start = time.perf_counter()
+        while self.core.has_unfinished_requests():
+            self.core.step()
+        return len(prompt) / (time.perf_counter() - start)
+
+    def decode_tok_s(self, prompts: list[list[int]]) -> float:
+        self._add(prompts, self.cfg.decode_tokens)
+        self.core.step()  # prefill every prompt and sample token 1
+        steps = 0
+        start = time.perf_counter()
+        while self.core.has_unfinished_requests():
+            self.core.step()
+            steps += 1
+        return len(prompts) * steps / (time.perf_counter() - start)
+
+
+class _TransformersRunner:
+    """transformers `generate` on the same checkpoint, dtype and thread count."""
+
+    def __init__(self, model_dir, dtype: torch.dtype) -> None:
+        from transformers import AutoModelForCausalLM
+
+        self.model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype).eval()
+
+    def _generate(self, input_ids: torch.Tensor, new_tokens: int) -> float:
+        start = time.perf_counter()
+        with torch.inference_mode():
+            self.model.generate(
+                input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
+            )
+        return time.perf_counter() - start
+
+    def prefill_tok_s(self, prompt: list[int]) -> float:
+        self._generate(torch.tensor([prompt[:64]]), 1)
+        return len(prompt) / self._generate(torch.tensor([prompt]), 1)
+
+    def decode_tok_s(self, prompts: list[list[int]], new_tokens: int) -> float:
+        ids = torch.tensor(prompts)
+        prefill = self._generate(ids, 1)
+        total = self._generate(ids, new_tokens)
+        return len(prompts) * (new_tokens - 1) / max(total - prefill, 1e-9)
+
+
+def run_engine_bench(cfg: EngineBenchConfig, log=print) -> EngineBenchResult:
+    from engine.model_info import load_model_info
+    from engine.platform import auto_dtype
+
+    torch.set_num_threads(cfg.threads)
+    info = load_model_info(cfg.model)
+    bandwidth = read_bandwidth()
+    log(f"memory read bandwidth: {bandwidth / 1e9:.1f} GB/s ({cfg.threads} threads)")
+    chosen = auto_dtype("cpu", info.arch.hidden_size, info.arch.intermediate_size)
+    result = EngineBenchResult(cfg, bandwidth / 1e9, str(chosen).removeprefix("torch."), _machine())
+    vocab = info.arch.vocab_size
+    long_prompt = _random_prompts(1, cfg.prompt_len, vocab, cfg.seed)[0]
+    arch = info.arch
+    kv_bytes_per_token = 2 * arch.num_hidden_layers * arch.num_key_value_heads * arch.head_dim
+    for dtype_name in cfg.dtypes:
+        dtype = getattr(torch, dtype_name)
+        log(f"[{dtype_name}] loading the engine")
+        engine = _EngineRunner(cfg, dtype_name)
+        hf = _TransformersRunner(info.model_dir, dtype) if cfg.with_transformers else None
+        weight_bytes = _weight_bytes(engine.core.model)
+        result.weight_bytes[dtype_name] = weight_bytes
+        row = Row(dtype_name, "prefill", 1, engine.prefill_tok_s(long_prompt),
+                  hf.prefill_tok_s(long_prompt) if hf else None, None, None)
+        log(f"[{dtype_name}] prefill {cfg.prompt_len} tokens: {row.tandem_tok_s:.0f} tok/s")
+        result.rows.append(row)
+        for batch in cfg.batch_sizes:
+            prompts = _random_prompts(batch, cfg.decode_prompt_len, vocab, cfg.seed + batch)
+            tandem = engine.decode_tok_s(prompts)
+            theirs = hf.decode_tok_s(prompts, cfg.decode_tokens) if hf else None
+            mean_context = cfg.decode_prompt_len + cfg.decode_tokens / 2
+            step_bytes = weight_bytes + batch * mean_context * kv_bytes_per_token * dtype.itemsize
+            roofline = batch / (step_bytes / bandwidth)
+            ceiling = batch / _matmul_ceiling(engine.core.model, batch, dtype)
+            result.rows.append(Row(dtype_name, "decode", batch, tandem, theirs, ceiling, roofline))
+            log(f"[{dtype_name}] decode batch {batch}: {tandem:.1f} tok/s"
+                + (f" (transformers {theirs:.1f})" if theirs else ""))
+        del engine, hf
+    return result
+
+
+def _machine() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as handle:
+            cpu = next(line.split(":", 1)[1].strip() for line in handle if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return f"{cpu}, torch {torch.__version__}, {sys.platform}"
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def render_table(result: EngineBenchResult) -> str:
+    cfg = result.config
+    lines = [
+        f"model {cfg.model}; {cfg.threads} torch threads for each side; {result.machine}",
+        f"memory read bandwidth {result.bandwidth_gb_s:.1f} GB/s; `auto` dtype here: {result.auto_dtype}; "
+        f"prefill prompt {cfg.prompt_len} tokens; decode {cfg.decode_tokens} tokens after "
+        f"{cfg.decode_prompt_len}-token prompts",
+        "",
+        "| dtype | workload | tandem tok/s | transformers tok/s | tandem / transformers | matmul ceiling tok/s | roofline tok/s | tandem / roofline |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for row in result.rows:
+        workload = f"prefill {cfg.prompt_len}" if row.metric == "prefill" else f"decode batch {row.batch}"
+        lines.append(
+            f"| {row.dtype} | {workload} | {row.tandem_tok_s:.1f} | {_fmt(row.transformers_tok_s, '.1f')} | "
+            f"{_fmt(row.ratio, '.2f')}x | {_fmt(row.matmul_ceiling_tok_s, '.1f')} | "
+            f"{_fmt(row.roofline_tok_s, '.1f')} | {_fmt(row.roofline_fraction and row.roofline_fraction * 100, '.0f')}% |"
+        )
+    lines.append("")
+    lines.append(
+        "roofline = batch / ((weight bytes + KV bytes read per step) / bandwidth); matmul ceiling = "
+        "batch / time of the step's weight matmuls alone with the engine's kernels. Weight bytes "
+        "per step: " + ", ".join(f"{d} {b / 1e6:.0f} MB" for d, b in result.weight_bytes.items())
+    )
+    return "\n".join(lines).replace("-%", "-")
+
+
+def to_json(result: EngineBenchResult) -> str:
+    data = asdict(result)
+    for row, raw in zip(result.rows, data["rows"]):
+        raw["ratio"] = row.ratio
+        raw["roofline_fraction"] = row.roofline_fraction
+    return json.dumps(data, indent=2)

@@ -1,0 +1,20 @@
+"""What this machine can do: memory read bandwidth, measured in the same run as a benchmark."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+
+def read_bandwidth(num_bytes: int = 1 << 30, repeats: int = 5) -> float:
+    """Bytes/s that torch's threads read from memory (best of ``repeats`` full reductions
+    over a buffer far larger than the caches)."""
+    buffer = torch.ones(num_bytes // 4, dtype=torch.float32)
+    buffer.sum()  # fault the pages in
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        buffer.sum()
+        best = min(best, time.perf_counter() - start)
+    return num_bytes / best

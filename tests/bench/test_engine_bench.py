@@ -1,0 +1,37 @@
+"""`tandem bench engine` runs end to end and its table is computed from what it measured."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from bench.engine_bench import EngineBenchConfig, render_table, run_engine_bench, to_json
+
+
+@pytest.fixture(scope="module")
+def result(smollm_dir):
+    cfg = EngineBenchConfig(model=str(smollm_dir), dtypes=("float32",), threads=2, prompt_len=48,
+                            batch_sizes=(1, 2), decode_tokens=4, decode_prompt_len=8)
+    return run_engine_bench(cfg, log=lambda _line: None)
+
+
+def test_bench_measures_both_sides(result):
+    assert [(r.metric, r.batch) for r in result.rows] == [("prefill", 1), ("decode", 1), ("decode", 2)]
+    for row in result.rows:
+        assert row.tandem_tok_s > 0 and row.transformers_tok_s > 0
+        assert row.ratio == pytest.approx(row.tandem_tok_s / row.transformers_tok_s)
+    decode = result.rows[1]
+    # roofline follows from the measured bandwidth and the weights a step reads
+    weight_bytes = result.weight_bytes["float32"]
+    assert 4 * 100e6 < weight_bytes < 4 * 200e6  # ~135M float32 parameters
+    assert decode.roofline_tok_s < result.bandwidth_gb_s * 1e9 / weight_bytes
+    assert decode.roofline_tok_s > 0.9 * result.bandwidth_gb_s * 1e9 / weight_bytes
+    assert result.auto_dtype in ("float32", "bfloat16")
+
+
+def test_table_and_json(result):
+    table = render_table(result)
+    assert "| float32 | decode batch 2 |" in table and "memory read bandwidth" in table
+    data = json.loads(to_json(result))
+    assert data["rows"][0]["ratio"] == pytest.approx(result.rows[0].ratio)
