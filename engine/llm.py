@@ -26,8 +26,11 @@ class LLM:
 
     Args mirror vLLM's where they exist: ``model`` (known name, HF directory or .gguf),
     ``dtype`` ("auto" | "float32" | "bfloat16" | "float16"), ``max_model_len``, ``block_size``,
-    ``num_kv_blocks`` / ``kv_cache_memory_bytes``, ``max_num_seqs``, ``max_num_batched_tokens``,
+    ``num_kv_blocks`` / ``kv_cache_memory_bytes``, ``max_num_seqs``, ``max_num_batched_tokens``
+    (the per-step token budget: longer prompts are prefilled in chunks), ``enable_prefix_caching``,
     ``num_threads`` (torch threads), ``seed``, ``chat_template`` (Jinja source override).
+    A prompt dict may carry ``cache_salt``: requests only share prefix-cache blocks with
+    requests of the same salt.
     """
 
     def __init__(
@@ -40,6 +43,7 @@ class LLM:
         kv_cache_memory_bytes: int = 1 << 30,
         max_num_seqs: int = 64,
         max_num_batched_tokens: int = 8192,
+        enable_prefix_caching: bool = True,
         num_threads: int | None = None,
         seed: int = 0,
         chat_template: str | None = None,
@@ -70,7 +74,7 @@ class LLM:
         )
         self.config = EngineConfig(
             model=model_config,
-            cache=CacheConfig(block_size, num_kv_blocks, kv_cache_memory_bytes),
+            cache=CacheConfig(block_size, num_kv_blocks, kv_cache_memory_bytes, enable_prefix_caching),
             scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens),
             num_threads=num_threads,
             seed=seed,
@@ -89,6 +93,9 @@ class LLM:
 
     def _to_tokens(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
+            unknown = set(prompt) - {"prompt", "prompt_token_ids", "cache_salt"}
+            if unknown:
+                raise ValueError(f"unknown prompt fields {sorted(unknown)} (prompt, prompt_token_ids, cache_salt)")
             if "prompt_token_ids" in prompt:
                 return prompt.get("prompt"), list(prompt["prompt_token_ids"])
             prompt = prompt["prompt"]
@@ -115,12 +122,13 @@ class LLM:
             if len(params_list) != len(prompts):
                 raise ValueError(f"got {len(prompts)} prompts but {len(params_list)} sampling params")
         encoded = [self._to_tokens(p) for p in prompts]
+        salts = [p.get("cache_salt") if isinstance(p, dict) else None for p in prompts]
         # validate every request before queueing any, so bad input leaves nothing behind
         for index, ((_, token_ids), params) in enumerate(zip(encoded, params_list)):
             self.engine_core.make_request(f"validate-{index}", token_ids, params)
         request_ids = [f"gen-{next(self._ids)}" for _ in prompts]
-        for request_id, (text, token_ids), params in zip(request_ids, encoded, params_list):
-            self.engine.add_request(request_id, text, token_ids, params)
+        for request_id, (text, token_ids), params, salt in zip(request_ids, encoded, params_list, salts):
+            self.engine.add_request(request_id, text, token_ids, params, cache_salt=salt)
         return self._run(request_ids)
 
     def chat(

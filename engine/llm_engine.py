@@ -22,7 +22,12 @@ class LLMEngine:
         self._child_to_parent: dict[str, tuple[str, int]] = {}  # core id -> (request id, index)
 
     def add_request(
-        self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        cache_salt: str | None = None,
     ) -> None:
         """Validate all n sequences first (raises ValueError, allocates nothing), then queue."""
         if request_id in self._parents:
@@ -33,7 +38,7 @@ class LLMEngine:
             child_params = params
             if params.n > 1 and params.seed is not None:
                 child_params = params.with_overrides(seed=params.seed + index)
-            children.append(self.core.make_request(child_id, prompt_token_ids, child_params))
+            children.append(self.core.make_request(child_id, prompt_token_ids, child_params, cache_salt))
         with_logprobs = params.logprobs is not None
         output = RequestOutput(
             request_id=request_id,

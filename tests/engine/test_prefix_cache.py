@@ -127,3 +127,19 @@ def test_chunked_prefill_matches_and_decodes_advance(smollm_dir, llm):
     assert_same_as_engine_reference(outputs["long"].outputs[0].token_ids, reference[0].outputs[0], stats, "long")
     assert_same_as_engine_reference(outputs["short"].outputs[0].token_ids, reference[1].outputs[0], stats, "short")
     assert stats.near_ties <= 1
+
+
+def test_cache_salt_and_disabled_prefix_caching(smollm_dir):
+    llm = make_llm(model=str(smollm_dir), dtype="float32", num_kv_blocks=128, max_model_len=512)
+    params = SamplingParams(temperature=0.0, max_tokens=2)
+    prompt = SYSTEM + QUESTIONS[0]
+    llm.generate({"prompt": prompt, "cache_salt": "alice"}, params)
+    assert llm.generate({"prompt": prompt, "cache_salt": "bob"}, params)[0].num_cached_tokens == 0
+    assert llm.generate({"prompt": prompt, "cache_salt": "alice"}, params)[0].num_cached_tokens > 0
+    with pytest.raises(ValueError, match="unknown prompt fields"):
+        llm.generate({"prompt": prompt, "salt": "x"}, params)
+    off = make_llm(model=str(smollm_dir), dtype="float32", num_kv_blocks=64, max_model_len=512,
+                   enable_prefix_caching=False)
+    off.generate(prompt, params)
+    assert off.generate(prompt, params)[0].num_cached_tokens == 0
+    assert off.engine_core.block_pool.num_cached_blocks == 0
