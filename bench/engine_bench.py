@@ -70,16 +70,7 @@ def _weight_bytes(model) -> int:
     """Bytes of every matmul weight a decode step reads (layers and the output head)."""
     from engine.models.linear import Linear
 
-    total = 0
-    for module in model.modules():
-        if isinstance(module, Linear):
-            total += module.in_features * module.out_features * module_dtype_size(module)
-    return total
-
-
-def module_dtype_size(module) -> int:
-    weight = module._packed if module._packed is not None else module.weight
-    return weight.element_size()
+    return sum(module.weight_nbytes for module in model.modules() if isinstance(module, Linear))
 
 
 def _matmul_ceiling(model, batch: int, dtype: torch.dtype, repeats: int = 5) -> float:
@@ -241,10 +232,11 @@ def render_table(result: EngineBenchResult) -> str:
     ]
     for row in result.rows:
         workload = f"prefill {cfg.prompt_len}" if row.metric == "prefill" else f"decode batch {row.batch}"
+        ratio = "-" if row.ratio is None else f"{row.ratio:.2f}x"
+        fraction = "-" if row.roofline_fraction is None else f"{row.roofline_fraction * 100:.0f}%"
         lines.append(
             f"| {row.dtype} | {workload} | {row.tandem_tok_s:.1f} | {_fmt(row.transformers_tok_s, '.1f')} | "
-            f"{_fmt(row.ratio, '.2f')}x | {_fmt(row.matmul_ceiling_tok_s, '.1f')} | "
-            f"{_fmt(row.roofline_tok_s, '.1f')} | {_fmt(row.roofline_fraction and row.roofline_fraction * 100, '.0f')}% |"
+            f"{ratio} | {_fmt(row.matmul_ceiling_tok_s, '.1f')} | {_fmt(row.roofline_tok_s, '.1f')} | {fraction} |"
         )
     lines.append("")
     lines.append(
@@ -252,7 +244,7 @@ def render_table(result: EngineBenchResult) -> str:
         "batch / time of the step's weight matmuls alone with the engine's kernels. Weight bytes "
         "per step: " + ", ".join(f"{d} {b / 1e6:.0f} MB" for d, b in result.weight_bytes.items())
     )
-    return "\n".join(lines).replace("-%", "-")
+    return "\n".join(lines)
 
 
 def to_json(result: EngineBenchResult) -> str:

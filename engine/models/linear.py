@@ -34,6 +34,12 @@ class Linear(nn.Module):
             self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 1)
             self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype), requires_grad=False)
 
+    @property
+    def weight_nbytes(self) -> int:
+        """Bytes a forward reads from the weight (packed or not)."""
+        weight = self._packed if self._packed is not None else self.weight
+        return self.in_features * self.out_features * weight.element_size()
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [n, in] -> [n, out]
         if self._packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
