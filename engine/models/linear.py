@@ -1,9 +1,11 @@
-"""Linear layers whose CPU kernel is chosen for the dtype.
+"""Linear layers whose CPU kernel is chosen for the dtype and the number of rows.
 
-On this kind of CPU, torch's default bfloat16 matmul repacks the weight on every call; a
-weight packed once by oneDNN (mkldnn) avoids that and reads at a much higher fraction of the
-memory bandwidth (see `tandem bench engine`). Float32 keeps torch's default kernel, which is
-already the faster one for decode-sized inputs. Results are identical either way.
+bfloat16 on CPU: decode-sized inputs (up to ``cpu_gemv.MAX_BATCH`` rows) go to tandem's own
+AVX-512 BF16 kernel (engine/kernels), which streams the weight near the memory bandwidth;
+larger inputs go to oneDNN with a weight packed once at load (torch's default bfloat16 path
+repacks the weight on every call). Both copies of the weight are kept, which costs one more
+copy of the weights in memory. float32 keeps torch's default kernel, already the faster one
+here. See `tandem bench engine`.
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from engine.kernels import cpu_gemv
 
 
 def can_pack(dtype: torch.dtype, device: torch.device) -> bool:
@@ -26,12 +30,17 @@ class Linear(nn.Module):
         self.out_features = out_features
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
-        self._packed: torch.Tensor | None = None  # oneDNN-packed weight; replaces `weight`
+        self._packed: torch.Tensor | None = None  # oneDNN-packed copy of the weight
+        self._gemv = None  # the native skinny-matmul module, when it serves this weight
 
     def pack(self) -> None:
-        """Pack the weight for oneDNN once (bfloat16 on CPU); a no-op elsewhere."""
-        if self._packed is None and can_pack(self.weight.dtype, self.weight.device):
-            self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 1)
+        """Prepare the weight for the fastest kernels of its dtype (bfloat16 on CPU);
+        a no-op elsewhere."""
+        if self._packed is not None or not can_pack(self.weight.dtype, self.weight.device):
+            return
+        self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 1)
+        self._gemv = cpu_gemv.load()
+        if self._gemv is None:  # the plain copy is only needed by the native kernel
             self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype), requires_grad=False)
 
     @property
@@ -41,6 +50,8 @@ class Linear(nn.Module):
         return self.in_features * self.out_features * weight.element_size()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [n, in] -> [n, out]
+        if self._gemv is not None and x.shape[0] <= cpu_gemv.MAX_BATCH:
+            return self._gemv.gemv_bf16(x.contiguous(), self.weight, self.bias)
         if self._packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
