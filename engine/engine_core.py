@@ -22,6 +22,7 @@ from engine.kv_cache.manager import KVCacheManager
 from engine.model_info import ModelInfo
 from engine.model_runner import ModelRunner
 from engine.models.loader import load_model
+from engine.models.ops import NativeOps, select_ops
 from engine.outputs import Logprob, PositionLogprobs
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
@@ -65,8 +66,9 @@ class EngineCore:
             self.block_pool, config.cache.block_size, namespace, config.cache.enable_prefix_caching
         )
         self.kv_cache = KVCache(model_cfg.arch, num_blocks, config.cache.block_size, model_cfg.dtype)
-        backend = TorchAttentionBackend(model_cfg.dtype)
-        self.model = load_model(model_cfg, backend)
+        ops = select_ops(torch.device("cpu"))
+        backend = TorchAttentionBackend(model_cfg.dtype, ops.kernels if isinstance(ops, NativeOps) else None)
+        self.model = load_model(model_cfg, backend, ops)
         self.runner = ModelRunner(self.model, self.kv_cache, backend)
         self.scheduler = Scheduler(config.scheduler, self.kv_manager, model_cfg.max_model_len)
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}

@@ -10,3 +10,8 @@ def cache_dir() -> Path:
     """Where fetched and converted models live (``TANDEM_CACHE_DIR``, default ~/.cache/tandem)."""
     configured = os.environ.get("TANDEM_CACHE_DIR")
     return Path(configured).expanduser() if configured else Path.home() / ".cache" / "tandem"
+
+
+def native_kernels_disabled() -> bool:
+    """``TANDEM_DISABLE_NATIVE_KERNELS=1`` keeps the CPU path on plain torch ops."""
+    return os.environ.get("TANDEM_DISABLE_NATIVE_KERNELS") == "1"

@@ -24,6 +24,8 @@ class PrefillSeq:
 class TorchAttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] int64
     num_decodes: int
+    decode_block_tables: torch.Tensor  # [num_decodes, max_blocks] int64, padded with 0
+    decode_seq_lens: torch.Tensor  # [num_decodes] int64
     decode_block_ids: torch.Tensor  # [num_decodes * max_blocks] int64, padded with block 0
     decode_padding: torch.Tensor  # [num_decodes, max_blocks * block_size, 1, 1] bool, True = not context
     decode_mask: torch.Tensor  # [num_decodes, 1, 1, max_blocks * block_size] additive: 0 or -inf
@@ -38,14 +40,18 @@ def _context_slots(block_table: list[int], seq_len: int, block_size: int) -> tor
 
 
 class TorchAttentionBackend(AttentionBackend):
-    """``dtype``: the model's, for the additive masks built once per step.
+    """Attention on the CPU. ``dtype``: the model's, for masks built once per step.
+    ``native``: the cpu_ops module (engine/kernels), or None for torch ops only.
 
-    Decodes: each sequence's blocks are gathered whole (one index_select per cache per
-    layer), padding is zeroed and masked, and one batched SDPA call does the rest. Prefill
-    chunks: the context gathered slot by slot, SDPA with a causal (offset) mask."""
+    Decodes: with ``native``, one call reads each sequence's K/V through its block table
+    (only positions before its end). Without it, each sequence's blocks are gathered whole
+    (one index_select per layer), the slots past its end zeroed and masked, and one batched
+    SDPA call does the rest. Prefill chunks: the context gathered slot by slot, then SDPA
+    with a causal (offset) mask."""
 
-    def __init__(self, dtype: torch.dtype = torch.float32) -> None:
+    def __init__(self, dtype: torch.dtype = torch.float32, native=None) -> None:
         self.dtype = dtype
+        self.native = native
 
     def build_metadata(self, layout: BatchLayout) -> TorchAttentionMetadata:
         bs = layout.block_size
@@ -55,8 +61,10 @@ class TorchAttentionBackend(AttentionBackend):
         for i in range(n_dec):
             table = layout.block_tables[i]
             block_ids[i, : len(table)] = torch.tensor(table, dtype=torch.int64)
-        seq_lens = torch.tensor(layout.seq_lens[:n_dec], dtype=torch.int64).unsqueeze(1)
-        attend = torch.arange(max_blocks * bs).unsqueeze(0) < seq_lens  # [n_dec, max_blocks * bs]
+        seq_lens = torch.tensor(layout.seq_lens[:n_dec], dtype=torch.int64)
+        # torch path only: which gathered slots are context ([n_dec, max_blocks * bs])
+        gathered = max_blocks * bs if self.native is None else 0
+        attend = torch.arange(gathered).unsqueeze(0) < seq_lens.unsqueeze(1)
         prefills = []
         start = n_dec
         for i in range(n_dec, len(layout.query_lens)):
@@ -73,11 +81,13 @@ class TorchAttentionBackend(AttentionBackend):
         return TorchAttentionMetadata(
             slot_mapping=layout.slot_mapping,
             num_decodes=n_dec,
+            decode_block_tables=block_ids,
+            decode_seq_lens=seq_lens,
             decode_block_ids=block_ids.view(-1),
-            decode_padding=(~attend).view(n_dec, max_blocks * bs, 1, 1),
+            decode_padding=(~attend).view(n_dec, gathered, 1, 1),
             decode_mask=torch.zeros(attend.shape, dtype=self.dtype)
             .masked_fill_(~attend, float("-inf"))
-            .view(n_dec, 1, 1, max_blocks * bs),
+            .view(n_dec, 1, 1, gathered),
             prefills=tuple(prefills),
         )
 
@@ -110,9 +120,12 @@ class TorchAttentionBackend(AttentionBackend):
         )  # [1, heads, q_len, head_dim]
         return out.squeeze(0).transpose(0, 1)
 
-    @staticmethod
-    def _decode(query, kv_cache, meta: TorchAttentionMetadata) -> torch.Tensor:
+    def _decode(self, query, kv_cache, meta: TorchAttentionMetadata) -> torch.Tensor:
         n, num_heads, head_dim = query.shape
+        if self.native is not None:
+            return self.native.paged_decode_attention(
+                query, kv_cache, meta.decode_block_tables, meta.decode_seq_lens, head_dim**-0.5
+            )
         num_kv_heads = kv_cache.shape[2] // 2
         # whole blocks: [n, max_blocks * block_size, 2 * kv_heads, head_dim]
         blocks = kv_cache.index_select(0, meta.decode_block_ids).view(n, -1, 2 * num_kv_heads, head_dim)

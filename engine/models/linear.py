@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine import envs
 from engine.kernels import cpu_gemv
 
 
@@ -39,7 +40,7 @@ class Linear(nn.Module):
         if self._packed is not None or not can_pack(self.weight.dtype, self.weight.device):
             return
         self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 1)
-        self._gemv = cpu_gemv.load()
+        self._gemv = None if envs.native_kernels_disabled() else cpu_gemv.load()
         if self._gemv is None:  # the plain copy is only needed by the native kernel
             self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype), requires_grad=False)
 

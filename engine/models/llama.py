@@ -17,6 +17,7 @@ from torch import nn
 from engine.attention.backend import AttentionBackend
 from engine.config import ModelArchConfig, RopeScaling
 from engine.models.linear import Linear
+from engine.models.ops import TorchOps
 
 # fused parameter -> the Hugging Face parameters it concatenates (along dim 0), in order
 FUSED_PARAMS = {
@@ -26,14 +27,12 @@ FUSED_PARAMS = {
 
 
 class RMSNorm(nn.Module):
+    """Holds the weight; the model applies it fused with the residual add (models/ops.py)."""
+
     def __init__(self, hidden_size: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # one fused call (it normalises in float32 for low-precision inputs)
-        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
@@ -74,27 +73,14 @@ def interleave_rope_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    """RoPE as complex rotations e^{i * position * freq} for every position up to
-    max_positions; looked up once per step and shared by all layers."""
+    """RoPE angles for every position up to max_positions, as float32 cos/sin tables."""
 
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: RopeScaling | None):
         super().__init__()
         inv_freq = rope_inv_freq(head_dim, theta, scaling)
-        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
-        self.register_buffer("rotations", torch.polar(torch.ones_like(freqs), freqs), persistent=False)
-
-    def lookup(self, positions: torch.Tensor) -> torch.Tensor:
-        return self.rotations[positions].unsqueeze(1)  # [num_tokens, 1, head_dim // 2] complex64
-
-
-def apply_rope_(x: torch.Tensor, rotations: torch.Tensor) -> None:
-    """Rotate x in place. x: [num_tokens, heads, head_dim] in interleaved-pair order."""
-    pairs = x.unflatten(-1, (-1, 2))  # [T, heads, head_dim // 2, 2]
-    if x.dtype == torch.float32:
-        torch.view_as_complex(pairs).mul_(rotations)
-    else:  # no complex bfloat16: rotate in float32 and write back
-        rotated = torch.view_as_complex(pairs.float()) * rotations
-        pairs.copy_(torch.view_as_real(rotated))
+        angles = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
+        self.register_buffer("cos", angles.cos(), persistent=False)  # [max_positions, head_dim // 2]
+        self.register_buffer("sin", angles.sin(), persistent=False)
 
 
 class Attention(nn.Module):
@@ -108,12 +94,12 @@ class Attention(nn.Module):
         self.o_proj = Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=False)
         self.backend = backend
 
-    def forward(self, rope, hidden, kv_cache, attn_metadata) -> torch.Tensor:
-        num_tokens = hidden.shape[0]
+    def forward(self, ops, rope, normed, kv_cache, attn_metadata) -> torch.Tensor:
+        num_tokens = normed.shape[0]
         heads = self.num_heads
         # qkv: [T, heads + 2 * kv_heads, head_dim] = queries, keys, values
-        qkv = self.qkv_proj(hidden).view(num_tokens, heads + 2 * self.num_kv_heads, self.head_dim)
-        apply_rope_(qkv[:, : heads + self.num_kv_heads], rope)  # queries and keys, in place
+        qkv = self.qkv_proj(normed).view(num_tokens, heads + 2 * self.num_kv_heads, self.head_dim)
+        ops.rope_(qkv[:, : heads + self.num_kv_heads], rope)  # queries and keys, in place
         # q: [T, heads, head_dim]; keys and values: [T, 2 * kv_heads, head_dim]
         out = self.backend.forward(qkv[:, :heads], qkv[:, heads:], kv_cache, attn_metadata)
         return self.o_proj(out.reshape(num_tokens, heads * self.head_dim))
@@ -125,9 +111,8 @@ class MLP(nn.Module):
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [T, intermediate] each
-        return self.down_proj(F.silu(gate) * up)
+    def forward(self, ops, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(ops.silu_mul(self.gate_up_proj(x)))  # [T, intermediate] in between
 
 
 class DecoderLayer(nn.Module):
@@ -138,9 +123,14 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, rope, hidden, kv_cache, attn_metadata):
-        hidden = hidden + self.self_attn(rope, self.input_layernorm(hidden), kv_cache, attn_metadata)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    def forward(self, ops, rope, residual, normed, kv_cache, attn_metadata, next_norm: RMSNorm) -> torch.Tensor:
+        """``normed`` is this layer's input norm of ``residual``. Adds attention and MLP into
+        ``residual`` (in place) and returns ``next_norm`` of the result, each add fused with
+        the norm that follows it."""
+        attn = self.self_attn(ops, rope, normed, kv_cache, attn_metadata)
+        post = self.post_attention_layernorm
+        normed = ops.add_rms_norm_(residual, attn, post.weight, post.eps)
+        return ops.add_rms_norm_(residual, self.mlp(ops, normed), next_norm.weight, next_norm.eps)
 
 
 class DecoderModel(nn.Module):
@@ -153,13 +143,15 @@ class DecoderModel(nn.Module):
 
 
 class CausalLM(nn.Module):
-    """``forward`` runs the decoder over one step; ``compute_logits`` projects chosen rows."""
+    """``forward`` runs the decoder over one step; ``compute_logits`` projects chosen rows.
+    ``ops`` (models/ops.py) supplies the fused small operations."""
 
-    def __init__(self, cfg: ModelArchConfig, max_positions: int, backend: AttentionBackend):
+    def __init__(self, cfg: ModelArchConfig, max_positions: int, backend: AttentionBackend, ops=None):
         super().__init__()
         self.config = cfg
         self.model = DecoderModel(cfg, max_positions, backend)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.ops = ops if ops is not None else TorchOps()
 
     def forward(
         self,
@@ -168,11 +160,15 @@ class CausalLM(nn.Module):
         kv_caches: list[torch.Tensor],  # per layer [num_blocks, block_size, 2 * kv_heads, head_dim]
         attn_metadata: object,
     ) -> torch.Tensor:  # [num_tokens, hidden]
-        hidden = self.model.embed_tokens(input_ids)
-        rope = self.model.rotary.lookup(positions)
-        for layer, kv_cache in zip(self.model.layers, kv_caches):
-            hidden = layer(rope, hidden, kv_cache, attn_metadata)
-        return self.model.norm(hidden)
+        ops, decoder = self.ops, self.model
+        residual = decoder.embed_tokens(input_ids)  # the residual stream, updated in place
+        rope = ops.rope_state(positions, decoder.rotary.cos, decoder.rotary.sin)
+        first = decoder.layers[0].input_layernorm
+        normed = ops.add_rms_norm_(residual, None, first.weight, first.eps)
+        norms_after = [layer.input_layernorm for layer in decoder.layers[1:]] + [decoder.norm]
+        for layer, kv_cache, next_norm in zip(decoder.layers, kv_caches, norms_after):
+            normed = layer(ops, rope, residual, normed, kv_cache, attn_metadata, next_norm)
+        return normed
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, vocab] f32
         return self.lm_head(hidden).float()

@@ -61,10 +61,10 @@ def _to_model_names(weights: dict[str, torch.Tensor], arch) -> dict[str, torch.T
     return renamed
 
 
-def load_model(config: ModelConfig, backend: AttentionBackend) -> CausalLM:
+def load_model(config: ModelConfig, backend: AttentionBackend, ops=None) -> CausalLM:
     arch = config.arch
     with torch.device("meta"):
-        model = CausalLM(arch, config.max_model_len, backend)
+        model = CausalLM(arch, config.max_model_len, backend, ops)
     weights = _to_model_names(_read_weights(config.model_dir), arch)
     expected = set(model.state_dict().keys())
     missing, unexpected = expected - set(weights), set(weights) - expected
@@ -77,7 +77,7 @@ def load_model(config: ModelConfig, backend: AttentionBackend) -> CausalLM:
     model.load_state_dict(state, assign=True, strict=True)
     # the RoPE tables were created on the meta device; build them for real (float32)
     real = RotaryEmbedding(arch.head_dim, config.max_model_len, arch.rope_theta, arch.rope_scaling)
-    model.model.rotary.rotations = real.rotations
+    model.model.rotary.cos, model.model.rotary.sin = real.cos, real.sin
     model = model.eval().requires_grad_(False)
     model.pack_weights()
     return model

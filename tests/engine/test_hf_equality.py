@@ -27,7 +27,20 @@ PROMPTS = [
 ]
 
 
-def test_smollm2_batch_matches_transformers(llm, hf_smollm):
+@pytest.fixture(params=["native", "torch"])
+def engine_under_test(request, llm, smollm_dir, monkeypatch):
+    """The engine with native CPU kernels (the default), and with plain torch ops only."""
+    if request.param == "native":
+        assert llm.engine_core.model.ops.name == "native", "native kernels should build here"
+        return llm
+    monkeypatch.setenv("TANDEM_DISABLE_NATIVE_KERNELS", "1")
+    plain = make_llm(model=str(smollm_dir), dtype="float32", num_kv_blocks=256, max_model_len=1024)
+    assert plain.engine_core.model.ops.name == "torch"
+    return plain
+
+
+def test_smollm2_batch_matches_transformers(engine_under_test, hf_smollm):
+    llm = engine_under_test
     hf_model, _ = hf_smollm
     tokenizer = llm.get_tokenizer()
     prompt_ids = [tokenizer.encode(p) for p in PROMPTS]

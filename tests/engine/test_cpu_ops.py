@@ -1,0 +1,114 @@
+"""Native CPU ops against independent torch references (fresh random inputs, NaN where the
+kernels must not read)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine.kernels import cpu_ops
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+TOLERANCE = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=2e-2, atol=2e-2),
+             torch.float16: dict(rtol=2e-3, atol=2e-3)}
+
+
+@pytest.fixture(scope="module")
+def ops():
+    module = cpu_ops.load()
+    assert module is not None, "cpu_ops must build on this machine (g++ and ninja are installed by make)"
+    return module
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 5, 33])
+def test_add_rms_norm(ops, dtype, rows):
+    g = torch.Generator().manual_seed(rows)
+    residual = torch.randn(rows, 576, generator=g).to(dtype)
+    delta = torch.randn(rows, 576, generator=g).to(dtype)
+    weight = torch.rand(576, generator=g).to(dtype) + 0.5
+    expected_residual = residual + delta  # an eager add rounds to the dtype
+    expected = F.rms_norm(expected_residual.float(), (576,), weight.float(), 1e-5)
+    got_residual = residual.clone()
+    got = ops.add_rms_norm_(got_residual, delta, weight, 1e-5)
+    torch.testing.assert_close(got_residual, expected_residual)
+    torch.testing.assert_close(got.float(), expected, **TOLERANCE[dtype])
+    untouched = residual.clone()
+    torch.testing.assert_close(ops.add_rms_norm_(untouched, None, weight, 1e-5).float(),
+                               F.rms_norm(residual.float(), (576,), weight.float(), 1e-5), **TOLERANCE[dtype])
+    assert torch.equal(untouched, residual)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_mul(ops, dtype):
+    gate_up = torch.randn(7, 2 * 1536).to(dtype)
+    expected = F.silu(gate_up[:, :1536].float()) * gate_up[:, 1536:].float()
+    torch.testing.assert_close(ops.silu_mul(gate_up).float(), expected, **TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rope_in_place_on_a_strided_view(ops, dtype):
+    tokens, heads, rotated, head_dim = 6, 8, 5, 64  # rotate 5 of 8 heads, as q+k of a qkv tensor
+    x = torch.randn(tokens, heads, head_dim).to(dtype)
+    angles = torch.rand(100, head_dim // 2) * 6.3
+    positions = torch.tensor([0, 3, 99, 7, 7, 50])
+    cos, sin = angles.cos(), angles.sin()
+    pairs = x.float().view(tokens, heads, head_dim // 2, 2)
+    rotation = torch.polar(torch.ones_like(angles), angles)[positions].unsqueeze(1)  # complex reference
+    expected = x.float().clone()
+    expected[:, :rotated] = torch.view_as_real(torch.view_as_complex(pairs[:, :rotated].contiguous()) * rotation).flatten(-2)
+    got = x.clone()
+    ops.rope_(got[:, :rotated], positions, cos, sin, rotated)
+    torch.testing.assert_close(got.float(), expected, **TOLERANCE[dtype])
+    with pytest.raises(RuntimeError, match="outside"):
+        ops.rope_(got[:, :rotated], torch.tensor([0, 1, 2, 3, 4, 100]), cos, sin, rotated)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads, kv_heads", [(9, 3), (4, 4), (8, 1)])
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_paged_decode_attention_matches_dense_sdpa(ops, dtype, heads, kv_heads, block_size):
+    head_dim, num_blocks = 64, 40
+    g = torch.Generator().manual_seed(heads * 100 + block_size)
+    cache = torch.full((num_blocks, block_size, 2 * kv_heads, head_dim), float("nan")).to(dtype)
+    seq_lens = [1, block_size, block_size + 3, 3 * block_size - 1]
+    order = torch.randperm(num_blocks, generator=g).tolist()
+    tables, next_block = [], 0
+    keys, values = [], []
+    for length in seq_lens:
+        count = -(-length // block_size)
+        table = order[next_block : next_block + count]
+        next_block += count
+        tables.append(table)
+        k = torch.randn(length, kv_heads, head_dim, generator=g).to(dtype)
+        v = torch.randn(length, kv_heads, head_dim, generator=g).to(dtype)
+        for pos in range(length):  # write only real positions: the rest stays NaN
+            cache[table[pos // block_size], pos % block_size, :kv_heads] = k[pos]
+            cache[table[pos // block_size], pos % block_size, kv_heads:] = v[pos]
+        keys.append(k)
+        values.append(v)
+    max_blocks = max(len(t) for t in tables)
+    block_tables = torch.zeros(len(tables), max_blocks, dtype=torch.int64)
+    for i, table in enumerate(tables):
+        block_tables[i, : len(table)] = torch.tensor(table)
+    query = torch.randn(len(seq_lens), heads, head_dim, generator=g).to(dtype)
+    out = torch.full_like(query, float("nan"))
+    out = ops.paged_decode_attention(query, cache, block_tables, torch.tensor(seq_lens), head_dim**-0.5)
+    for i in range(len(seq_lens)):
+        expected = F.scaled_dot_product_attention(
+            query[i].float().unsqueeze(1),  # [heads, 1, head_dim]
+            keys[i].float().transpose(0, 1),  # [kv_heads, len, head_dim]
+            values[i].float().transpose(0, 1),
+            enable_gqa=True,
+        ).squeeze(1)
+        torch.testing.assert_close(out[i].float(), expected, **TOLERANCE[dtype])
+
+
+def test_paged_decode_attention_validates_inputs(ops):
+    cache = torch.zeros(4, 16, 2, 64)
+    query = torch.zeros(1, 2, 64)
+    with pytest.raises(RuntimeError, match="out of range"):
+        ops.paged_decode_attention(query, cache, torch.tensor([[7]]), torch.tensor([3]), 0.125)
+    with pytest.raises(RuntimeError, match="bad seq_len"):
+        ops.paged_decode_attention(query, cache, torch.tensor([[0]]), torch.tensor([17]), 0.125)
