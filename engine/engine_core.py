@@ -24,10 +24,11 @@ from engine.model_runner import ModelRunner
 from engine.models.loader import load_model
 from engine.models.ops import NativeOps, select_ops
 from engine.outputs import Logprob, PositionLogprobs
+from engine.remote_kv import KVExport, KVExporter, KVImporter
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, TokenUpdate
-from engine.scheduler_types import TokenLogprobs
+from engine.scheduler_types import SampledToken, TokenLogprobs
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,6 +72,9 @@ class EngineCore:
         self.model = load_model(model_cfg, backend, ops)
         self.runner = ModelRunner(self.model, self.kv_cache, backend)
         self.scheduler = Scheduler(config.scheduler, self.kv_manager, model_cfg.max_model_len)
+        self.kv_importer = KVImporter(self.kv_cache, self.kv_manager, model_cfg.arch.num_hidden_layers)
+        self.kv_exporter = KVExporter()
+        self.runner.on_layer_kv = self.kv_exporter.on_layer
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._rng = random.Random(config.seed)
 
@@ -98,15 +102,50 @@ class EngineCore:
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         return Request(request_id, list(prompt_token_ids), params, seed, eos, max_tokens, cache_salt=cache_salt)
 
-    def add_request(self, request: Request) -> None:
+    def add_request(self, request: Request, kv_export: KVExport | None = None) -> None:
+        """Queue a request computed here. With ``kv_export`` (prefill role) the KV of its
+        prompt positions from ``kv_export.from_pos`` on goes to the sink, layer by layer."""
+        if kv_export is not None:
+            if not 0 <= kv_export.from_pos < request.num_prompt_tokens:
+                raise ValueError(f"kv export from position {kv_export.from_pos} outside the prompt")
+            request.kv_export_from = kv_export.from_pos
         self.scheduler.add_request(request)
+        if kv_export is not None:
+            self.kv_exporter.register(request.request_id, kv_export.sink)
+        self._new_detokenizer(request)
+
+    def _new_detokenizer(self, request: Request) -> None:
         self._detokenizers[request.request_id] = IncrementalDetokenizer(
             self.tokenizer, request.prompt_token_ids, request.sampling_params
         )
 
+    # -- decode role: the prompt's KV comes from elsewhere ----------------------------------
+    def add_remote_request(self, request: Request, deadline_s: float) -> int | None:
+        """Reserve blocks and wait (at most ``deadline_s``, then prefill locally) for the
+        prompt's KV. Returns the number of leading prompt tokens already cached here (the
+        sender starts there), or None when the blocks are not free now (nothing changed)."""
+        num_cached = self.scheduler.add_remote_kv_request(request, deadline_s)
+        if num_cached is None:
+            return None
+        self.kv_importer.expect(request.request_id, num_cached, request.num_prompt_tokens)
+        self._new_detokenizer(request)
+        return num_cached
+
+    def write_remote_kv(self, request_id: str, layer: int, start_pos: int, kv: torch.Tensor) -> None:
+        """KV of positions [start_pos, start_pos + len(kv)) of one layer (checked, then written)."""
+        self.kv_importer.write(request_id, layer, start_pos, kv)
+
+    def finish_remote_kv(self, request_id: str, first_token: SampledToken) -> EngineCoreOutput:
+        """All KV has landed: the request joins the batch with its first token. Raises
+        (and leaves the request waiting) if any expected KV is missing."""
+        self.kv_importer.take_complete(request_id)
+        return self._process(self.scheduler.finish_remote_kv(request_id, first_token))
+
     def abort_request(self, request_id: str) -> EngineCoreOutput | None:
         request = self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
         detok = self._detokenizers.pop(request_id, None)
+        self.kv_importer.drop(request_id)
+        self.kv_exporter.close(request_id, "abort")
         if request is None:
             return None
         return EngineCoreOutput(request_id, [], [], [], detok.take_delta(True) if detok else "",
@@ -118,6 +157,9 @@ class EngineCore:
     # -- stepping ----------------------------------------------------------------------------
     def step(self) -> list[EngineCoreOutput]:
         scheduled = self.scheduler.schedule()
+        for request_id in self.scheduler.expired_remote_ids:  # now prefilled here instead
+            self.kv_importer.drop(request_id)
+        self.scheduler.expired_remote_ids.clear()
         if not scheduled.seqs:
             return []
         try:
@@ -127,9 +169,18 @@ class EngineCore:
             for seq in scheduled.seqs:
                 self.scheduler.finish_request(seq.request_id, RequestStatus.FINISHED_ERROR)
                 self._detokenizers.pop(seq.request_id, None)
+                self.kv_exporter.close(seq.request_id, "error")
             raise
         updates = self.scheduler.update_from_output(scheduled, runner_output)
-        return [self._process(update) for update in updates]
+        for update in updates:
+            if update.new_token_ids and update.request.kv_export_from is not None:
+                if len(update.request.output_token_ids) == 1:
+                    self.kv_exporter.first_token(update.request.request_id, runner_output.sampled[update.request.request_id])
+        outputs = [self._process(update) for update in updates]
+        for output in outputs:
+            if output.finish_reason is not None:
+                self.kv_exporter.close(output.request_id, output.finish_reason)
+        return outputs
 
     def _process(self, update: TokenUpdate) -> EngineCoreOutput:
         request = update.request

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from engine.attention.backend import AttentionBackend, BatchLayout
@@ -27,6 +29,8 @@ class ModelRunner:
         self.sampler = Sampler()
         self.num_forward_calls = 0
         self.num_tokens_processed = 0  # tokens fed through the model (prefix-cache hits are not)
+        # prefill role: receives (request id, layer, first position, kv) after each layer
+        self.on_layer_kv: Callable[[str, int, int, torch.Tensor], None] | None = None
 
     @torch.inference_mode()
     def execute(self, scheduled: SchedulerOutput) -> RunnerOutput:
@@ -53,9 +57,27 @@ class ModelRunner:
         self.num_forward_calls += 1
         self.num_tokens_processed += len(input_ids)
         hidden = self.model(
-            torch.tensor(input_ids, dtype=torch.int64), torch.cat(positions), self.kv_cache.layers, metadata
+            torch.tensor(input_ids, dtype=torch.int64), torch.cat(positions), self.kv_cache.layers, metadata,
+            self._export_hook(seqs),
         )  # [num_tokens, hidden]
         return self._sample(seqs, hidden)
+
+    def _export_hook(self, seqs: list[ScheduledSeq]) -> Callable[[int], None] | None:
+        """After each layer, hand the exported positions' fresh KV to ``on_layer_kv``."""
+        exports = []
+        for seq in seqs:
+            end = seq.start_pos + len(seq.token_ids)
+            if seq.export_from is not None and end > seq.export_from:
+                first = max(seq.start_pos, seq.export_from)
+                exports.append((seq.request_id, first, self.kv_cache.slots_for(seq.block_ids, first, end)))
+        if not exports or self.on_layer_kv is None:
+            return None
+
+        def layer_done(layer: int) -> None:
+            for request_id, first, slots in exports:
+                self.on_layer_kv(request_id, layer, first, self.kv_cache.read_slots(layer, slots))
+
+        return layer_done
 
     def _sample(self, seqs: list[ScheduledSeq], hidden: torch.Tensor) -> RunnerOutput:
         # Which hidden rows need logits: each sampling seq's last token, and every prompt

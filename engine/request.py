@@ -69,6 +69,7 @@ class Request:
     prompt_logprobs: list[PositionLogprobs | None] = field(default_factory=list)
     num_preemptions: int = 0
     cache_salt: str | None = None  # isolates this request's prefix-cache blocks (tenant key)
+    kv_export_from: int | None = None  # prefill role: export KV of positions from here on
     block_hashes: list[bytes] = field(default_factory=list)  # prefix digests of full blocks
 
     @property

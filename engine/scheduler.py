@@ -47,6 +47,7 @@ class Scheduler:
         self.waiting_for_remote_kv: dict[str, Request] = {}  # WAITING_FOR_REMOTE_KV
         self.requests: dict[str, Request] = {}  # every unfinished request
         self.remote_kv_deadlines: dict[str, float] = {}  # request id -> monotonic deadline
+        self.expired_remote_ids: list[str] = []  # remote-KV waits that timed out (engine drains)
         self.num_preemptions = 0
 
     # -- admission ---------------------------------------------------------------------------
@@ -57,39 +58,49 @@ class Scheduler:
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
-    def add_remote_kv_request(self, request: Request, deadline_s: float) -> bool:
-        """Reserve blocks for the whole prompt and wait for its KV to arrive from elsewhere.
-
-        Returns False (and changes nothing) when the blocks are not available now."""
+    def add_remote_kv_request(self, request: Request, deadline_s: float) -> int | None:
+        """Reserve blocks for the whole prompt, reusing this engine's own cached prefix, and
+        wait for the rest of its KV to arrive from elsewhere. Returns how many leading prompt
+        tokens are already here (the sender sends from there), or None (and changes nothing)
+        when the blocks are not available now."""
         if request.request_id in self.requests:
             raise ValueError(f"request id '{request.request_id}' is already in use")
-        if not self.kv.allocate_slots(request.request_id, request.num_prompt_tokens):
-            return False
+        cached = self.kv.find_cached_prefix(request)
+        num_cached = len(cached) * self.kv.block_size
+        if not self.kv.allocate_slots(request.request_id, request.num_prompt_tokens, cached):
+            return None
+        self.kv.record_lookup(request.num_prompt_tokens, num_cached)
+        request.num_cached_tokens = num_cached
         request.status = RequestStatus.WAITING_FOR_REMOTE_KV
         self.requests[request.request_id] = request
         self.waiting_for_remote_kv[request.request_id] = request
         self.remote_kv_deadlines[request.request_id] = time.monotonic() + deadline_s
-        return True
+        return num_cached
 
-    def finish_remote_kv(self, request_id: str, first_token_id: int) -> Request:
-        """The prompt's KV has landed in the reserved blocks: join the running batch."""
+    def finish_remote_kv(self, request_id: str, first_token: SampledToken) -> TokenUpdate:
+        """The prompt's KV has landed in the reserved blocks: join the running batch with the
+        first token (which may already end the request: EOS, max_tokens=1, ...)."""
         request = self.waiting_for_remote_kv.pop(request_id)
         self.remote_kv_deadlines.pop(request_id, None)
         request.num_computed_tokens = request.num_prompt_tokens
         self.kv.cache_full_blocks(request)
-        request.output_token_ids.append(first_token_id)
         request.status = RequestStatus.RUNNING
         self.running.append(request)
-        return request
+        finished = self._append_token(request, first_token)
+        new_lp = [first_token.logprobs] if first_token.logprobs is not None else []
+        return TokenUpdate(request, [first_token.token_id], new_lp, [], finished)
 
     def _expire_remote_kv(self, now: float) -> None:
-        """KV that did not arrive in time: release the reservation and recompute locally."""
+        """KV that did not arrive in time: release the reservation and recompute locally
+        (the `recompute` policy; the engine applies `fail` before this runs)."""
         for request_id, deadline in list(self.remote_kv_deadlines.items()):
             if now >= deadline:
                 request = self.waiting_for_remote_kv.pop(request_id)
                 del self.remote_kv_deadlines[request_id]
                 self.kv.free(request_id)
                 request.status = RequestStatus.WAITING
+                request.num_cached_tokens = 0
+                self.expired_remote_ids.append(request_id)
                 self.waiting.appendleft(request)
 
     # -- one step ---------------------------------------------------------------------------
@@ -168,6 +179,7 @@ class Scheduler:
             block_ids=list(self.kv.block_table(request.request_id)),
             sampling=sampling,
             prompt_logprobs=self._prompt_logprobs_input(request, start, end),
+            export_from=request.kv_export_from,
         )
 
     @staticmethod

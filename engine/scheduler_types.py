@@ -40,6 +40,7 @@ class ScheduledSeq:
     block_ids: list[int]  # block table covering positions [0, start_pos + num_new)
     sampling: SamplingInput | None  # set when this chunk reaches the end: sample a token
     prompt_logprobs: PromptLogprobsInput | None  # None: not asked, or no prompt position here
+    export_from: int | None = None  # export the KV of this chunk's positions >= this (prefill role)
 
 
 @dataclass(frozen=True, slots=True)

@@ -35,3 +35,23 @@ class KVCache:
         index = torch.tensor(block_ids, dtype=torch.int64)
         for layer in self.layers:
             layer[index] = value
+
+    def slots_for(self, block_table: list[int], start_pos: int, end_pos: int) -> torch.Tensor:
+        """Flat slots of positions [start_pos, end_pos) through a block table. [end - start]"""
+        positions = torch.arange(start_pos, end_pos)
+        blocks = torch.tensor(block_table, dtype=torch.int64)[positions // self.block_size]
+        return blocks * self.block_size + positions % self.block_size
+
+    def read_slots(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
+        """A copy of the K/V at ``slots``: [len(slots), 2 * kv_heads, head_dim]."""
+        flat = self.layers[layer].flatten(0, 1)
+        return flat.index_select(0, slots)
+
+    def write_slots(self, layer: int, slots: torch.Tensor, kv: torch.Tensor) -> None:
+        flat = self.layers[layer].flatten(0, 1)
+        if kv.shape != (len(slots), *flat.shape[1:]) or kv.dtype != flat.dtype:
+            raise ValueError(
+                f"KV of shape {tuple(kv.shape)} {kv.dtype} does not fit {len(slots)} slots of "
+                f"{tuple(flat.shape[1:])} {flat.dtype}"
+            )
+        flat.index_copy_(0, slots, kv)

@@ -9,6 +9,7 @@ halves the kernel launches of a decode step.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -158,6 +159,7 @@ class CausalLM(nn.Module):
         positions: torch.Tensor,  # [num_tokens]
         kv_caches: list[torch.Tensor],  # per layer [num_blocks, block_size, 2 * kv_heads, head_dim]
         attn_metadata: object,
+        layer_done: Callable[[int], None] | None = None,  # called after each layer (KV export)
     ) -> torch.Tensor:  # [num_tokens, hidden]
         ops, decoder = self.ops, self.model
         residual = decoder.embed_tokens(input_ids)  # the residual stream, updated in place
@@ -165,8 +167,10 @@ class CausalLM(nn.Module):
         first = decoder.layers[0].input_layernorm
         normed = ops.add_rms_norm_(residual, None, first.weight, first.eps)
         norms_after = [layer.input_layernorm for layer in decoder.layers[1:]] + [decoder.norm]
-        for layer, kv_cache, next_norm in zip(decoder.layers, kv_caches, norms_after):
+        for index, (layer, kv_cache, next_norm) in enumerate(zip(decoder.layers, kv_caches, norms_after)):
             normed = layer(ops, rope, residual, normed, kv_cache, attn_metadata, next_norm)
+            if layer_done is not None:
+                layer_done(index)
         return normed
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, vocab] f32

@@ -109,7 +109,7 @@ def test_abort_frees_blocks_in_every_state():
     sched.add_request(make_request("run", 9))
     sched.add_request(make_request("wait", 9))
     run_step(sched)
-    assert sched.add_remote_kv_request(make_request("remote", 9), deadline_s=60)
+    assert sched.add_remote_kv_request(make_request("remote", 9), deadline_s=60) == 0
     for rid in ("run", "wait", "remote"):
         assert sched.finish_request(rid, RequestStatus.FINISHED_ABORTED).status is RequestStatus.FINISHED_ABORTED
     assert sched.finish_request("run", RequestStatus.FINISHED_ABORTED) is None  # idempotent
@@ -158,25 +158,26 @@ def test_preempted_request_recomputes_its_tokens(prefix):
 def test_remote_kv_joins_batch_and_expires():
     sched = make_scheduler()
     remote = make_request("r", 10)
-    assert sched.add_remote_kv_request(remote, deadline_s=60)
+    assert sched.add_remote_kv_request(remote, deadline_s=60) == 0
     assert remote.status is RequestStatus.WAITING_FOR_REMOTE_KV
     out = sched.schedule()
     assert out.seqs == []  # nothing to compute until the KV lands
-    sched.finish_remote_kv("r", first_token_id=5)
+    update = sched.finish_remote_kv("r", SampledToken(5, None))
+    assert update.new_token_ids == [5] and not update.finished
     out, _ = run_step(sched)
     (seq,) = out.seqs
     assert seq.start_pos == 10 and seq.token_ids == [5]
     late = make_request("late", 10)
-    assert sched.add_remote_kv_request(late, deadline_s=0.0)
+    assert sched.add_remote_kv_request(late, deadline_s=0.0) == 0
     time.sleep(0.01)
     out, _ = run_step(sched)  # deadline passed: reservation released, prefilled locally
-    assert late.status is RequestStatus.RUNNING
+    assert late.status is RequestStatus.RUNNING and sched.expired_remote_ids == ["late"]
     assert any(s.request_id == "late" and s.start_pos == 0 and len(s.token_ids) == 10 for s in out.seqs)
 
 
 def test_remote_kv_without_blocks_changes_nothing():
     sched = make_scheduler(num_blocks=2, block_size=4)
-    assert not sched.add_remote_kv_request(make_request("big", 12), deadline_s=5)
+    assert sched.add_remote_kv_request(make_request("big", 12), deadline_s=5) is None
     assert not sched.has_unfinished() and sched.kv.pool.num_free_blocks == 2
 
 
@@ -283,3 +284,15 @@ def test_decodes_advance_while_a_long_prompt_is_read_in_chunks():
     # every step of long's prefill also carries short's decode token
     assert steps[:4] == [{"short": 1, "long": 5}] * 4, steps
     assert steps[4] == {"short": 1, "long": 1}  # long decodes its second and last token
+
+
+def test_remote_kv_reuses_own_prefix_and_first_token_can_finish():
+    sched = make_scheduler(block_size=4)
+    prompt = list(range(300, 311))
+    sched.add_request(make_request("local", prompt=prompt, max_tokens=1))
+    drain(sched)
+    remote = make_request("remote", prompt=prompt + [5], max_tokens=1)
+    assert sched.add_remote_kv_request(remote, deadline_s=60) == 8  # two cached blocks already here
+    update = sched.finish_remote_kv("remote", SampledToken(9, None))
+    assert update.finished and remote.status is RequestStatus.FINISHED_LENGTH
+    assert sched.kv.pool.num_free_blocks == 32

@@ -1,0 +1,164 @@
+"""Disaggregation on the engine level: a prefill engine computes the prompt and exports its
+KV layer by layer, a decode engine imports it into reserved blocks and generates the rest,
+through the in-process transport twin."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import SamplingParams
+from engine.remote_kv import KVExport, prefill_side_params
+from engine.scheduler_types import SampledToken
+from kv_transfer.inprocess import InProcessKVSink
+from tests.conftest import make_llm
+from tests.reference import EqualityStats, assert_same_as_engine_reference
+
+PROMPTS = [
+    "The quick brown fox",
+    "Once upon a time, in a small village by the sea, there lived an old fisherman who",
+    "def fibonacci(n):",
+    "Explain, step by step, how photosynthesis converts light into chemical energy in plants. " * 3,
+]
+
+
+@pytest.fixture(scope="module")
+def pair(smollm_dir):
+    prefill = make_llm(model=str(smollm_dir), dtype="float32", num_kv_blocks=256, max_model_len=1024)
+    decode = make_llm(model=str(smollm_dir), dtype="float32", num_kv_blocks=256, max_model_len=1024)
+    return prefill.engine_core, decode.engine_core
+
+
+class _Recorder(InProcessKVSink):
+    """Also keeps what was sent, to compare with what landed."""
+
+    def __init__(self, receiver):
+        super().__init__(receiver)
+        self.sent: list[tuple[str, int, int, torch.Tensor]] = []
+
+    def send_layer(self, request_id, layer, start_pos, kv):
+        self.sent.append((request_id, layer, start_pos, kv.clone()))
+        super().send_layer(request_id, layer, start_pos, kv)
+
+
+def disaggregated(prefill, decode, prompts, params, sink=None, tag="r"):
+    """Run prompts prefill-on-one, decode-on-the-other; returns {request id: token ids}."""
+    sink = sink or InProcessKVSink(decode)
+    tokens: dict[str, list[int]] = {}
+    for index, prompt in enumerate(prompts):
+        ids = decode.tokenizer.encode(prompt)
+        request_id = f"{tag}{index}"
+        remote = decode.make_request(request_id, ids, params)
+        from_pos = decode.add_remote_request(remote, deadline_s=120)
+        assert from_pos is not None
+        local = prefill.make_request(request_id, ids, prefill_side_params(params, remote.seed))
+        prefill.add_request(local, KVExport(sink, from_pos))
+        tokens[request_id] = []
+    while prefill.has_unfinished_requests():
+        prefill.step()  # all prompts prefilled together, KV exported after each layer
+    assert not sink.errors, sink.errors
+    for output in sink.first_outputs:
+        tokens[output.request_id] += output.new_token_ids
+    while decode.has_unfinished_requests():
+        for output in decode.step():
+            tokens[output.request_id] += output.new_token_ids
+    return tokens, sink
+
+
+def test_disaggregated_greedy_equals_colocated(pair, llm):
+    prefill, decode = pair
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    decode_prefilled_before = decode.runner.num_tokens_processed
+    tokens, sink = disaggregated(prefill, decode, PROMPTS, params, _Recorder(decode))
+    reference = llm.generate(PROMPTS, params.with_overrides(logprobs=2))
+    stats = EqualityStats()
+    for index, ref in enumerate(reference):
+        assert_same_as_engine_reference(tokens[f"r{index}"], ref.outputs[0], stats, label=PROMPTS[index][:20])
+    assert stats.near_ties <= 1
+    # the decode engine computed no prompt token: one token per decode step per request
+    assert decode.runner.num_tokens_processed - decode_prefilled_before == len(PROMPTS) * (16 - 1)
+    assert sink.closed == {f"r{i}": "length" for i in range(len(PROMPTS))}  # prefill side done
+    prompt_tokens = sum(len(decode.tokenizer.encode(p)) for p in PROMPTS)
+    arch = decode.config.model.arch
+    per_token = 2 * arch.num_key_value_heads * arch.head_dim * 4 * arch.num_hidden_layers
+    assert sink.bytes_sent == prompt_tokens * per_token
+
+
+def test_kv_received_equals_kv_sent_bit_for_bit(pair):
+    prefill, decode = pair
+    sink = _Recorder(decode)
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    ids = decode.tokenizer.encode(PROMPTS[1])
+    remote = decode.make_request("bits", ids, params.with_overrides(max_tokens=2))
+    from_pos = decode.add_remote_request(remote, deadline_s=120)
+    prefill.add_request(prefill.make_request("bits", ids, prefill_side_params(params, remote.seed)), KVExport(sink, from_pos))
+    prefill.step()
+    layers_seen = sorted({layer for _, layer, _, _ in sink.sent})
+    assert layers_seen == list(range(decode.config.model.arch.num_hidden_layers))
+    table = decode.kv_manager.block_table("bits")
+    for _, layer, start, kv in sink.sent:
+        landed = decode.kv_cache.read_slots(layer, decode.kv_cache.slots_for(table, start, start + len(kv)))
+        assert torch.equal(landed, kv)
+    while decode.has_unfinished_requests():
+        decode.step()
+
+
+def test_decode_side_prefix_hit_sends_only_missing_blocks(pair):
+    prefill, decode = pair
+    shared = PROMPTS[3]
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    # the decode engine computes the shared prompt locally once: its blocks are now cached there
+    decode.add_request(decode.make_request("warm", decode.tokenizer.encode(shared), params))
+    while decode.has_unfinished_requests():
+        decode.step()
+    follow_up = shared + " In short:"
+    ids = decode.tokenizer.encode(follow_up)
+    sink = _Recorder(decode)
+    tokens, _ = disaggregated(prefill, decode, [follow_up], params, sink, tag="hit")
+    starts = {start for _, _, start, _ in sink.sent}
+    assert len(starts) == 1 and (from_pos := starts.pop()) > 0 and from_pos % 16 == 0
+    arch = decode.config.model.arch
+    per_token_layer = 2 * arch.num_key_value_heads * arch.head_dim * 4
+    assert sink.bytes_sent == (len(ids) - from_pos) * per_token_layer * arch.num_hidden_layers
+    assert len(tokens["hit0"]) == 4
+
+
+def test_seeded_sampling_equals_colocated(pair, llm):
+    prefill, decode = pair
+    params = SamplingParams(temperature=0.9, top_p=0.95, seed=1234, max_tokens=12, ignore_eos=True)
+    tokens, _ = disaggregated(prefill, decode, PROMPTS[:2], params, tag="seeded")
+    colocated = llm.generate(PROMPTS[:2], params)
+    assert [tokens["seeded0"], tokens["seeded1"]] == [o.outputs[0].token_ids for o in colocated]
+
+
+def test_incomplete_or_late_kv_is_never_used(pair):
+    prefill, decode = pair
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    ids = decode.tokenizer.encode(PROMPTS[0])
+    remote = decode.make_request("partial", ids, params)
+    assert decode.add_remote_request(remote, deadline_s=120) == 0
+    kv = torch.zeros(len(ids), *decode.kv_cache.layers[0].shape[2:])
+    decode.write_remote_kv("partial", 0, 0, kv)  # only layer 0 of 30
+    with pytest.raises(ValueError, match="KV incomplete"):
+        decode.finish_remote_kv("partial", SampledToken(5, None))
+    with pytest.raises(ValueError, match="already received"):
+        decode.write_remote_kv("partial", 0, 0, kv)
+    with pytest.raises(ValueError, match="does not match"):
+        decode.write_remote_kv("partial", 1, 0, kv[:, :1])
+    decode.abort_request("partial")
+    with pytest.raises(KeyError, match="not waiting for KV"):
+        decode.write_remote_kv("partial", 1, 0, kv)
+    assert decode.block_pool.num_free_blocks == decode.block_pool.num_blocks
+
+
+def test_expired_wait_recomputes_locally(pair, llm):
+    _, decode = pair
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    ids = decode.tokenizer.encode(PROMPTS[2])
+    assert decode.add_remote_request(decode.make_request("late", ids, params), deadline_s=0.0) is not None
+    tokens = []
+    while decode.has_unfinished_requests():
+        for output in decode.step():
+            tokens += output.new_token_ids
+    assert "late" not in decode.kv_importer
+    assert tokens == llm.generate({"prompt_token_ids": ids}, params)[0].outputs[0].token_ids
