@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.tandem-installed
 MODEL ?= smollm2-135m-instruct
 
-.PHONY: install serve test test-all fetch clean
+.PHONY: install serve test test-all fetch clean proto
 
 install: $(STAMP)
 
@@ -36,3 +36,7 @@ test-all: $(STAMP)
 
 clean:
 	rm -rf $(VENV) .pytest_cache
+
+# Regenerate the Python code of proto/*.proto (committed; a test fails when it is stale).
+proto: $(STAMP)
+	$(PY) -m grpc_tools.protoc -I . --python_out=. --grpc_python_out=. proto/*.proto

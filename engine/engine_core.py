@@ -141,6 +141,12 @@ class EngineCore:
         self.kv_importer.take_complete(request_id)
         return self._process(self.scheduler.finish_remote_kv(request_id, first_token))
 
+    def fallback_remote_kv(self, request_id: str) -> bool:
+        """The transfer failed (corrupt, refused, sender gone): discard what arrived and
+        prefill the request here instead. False if it was not waiting for KV."""
+        self.kv_importer.drop(request_id)
+        return self.scheduler.requeue_remote_kv(request_id)
+
     def abort_request(self, request_id: str) -> EngineCoreOutput | None:
         request = self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
         detok = self._detokenizers.pop(request_id, None)

@@ -91,17 +91,24 @@ class Scheduler:
         return TokenUpdate(request, [first_token.token_id], new_lp, [], finished)
 
     def _expire_remote_kv(self, now: float) -> None:
-        """KV that did not arrive in time: release the reservation and recompute locally
-        (the `recompute` policy; the engine applies `fail` before this runs)."""
+        """KV that did not arrive in time: fall back to computing the prompt here."""
         for request_id, deadline in list(self.remote_kv_deadlines.items()):
             if now >= deadline:
-                request = self.waiting_for_remote_kv.pop(request_id)
-                del self.remote_kv_deadlines[request_id]
-                self.kv.free(request_id)
-                request.status = RequestStatus.WAITING
-                request.num_cached_tokens = 0
-                self.expired_remote_ids.append(request_id)
-                self.waiting.appendleft(request)
+                self.requeue_remote_kv(request_id)
+
+    def requeue_remote_kv(self, request_id: str) -> bool:
+        """The `recompute` policy: release the reservation (KV written so far is discarded)
+        and queue the request to prefill here, first in line. False if it was not waiting."""
+        request = self.waiting_for_remote_kv.pop(request_id, None)
+        if request is None:
+            return False
+        self.remote_kv_deadlines.pop(request_id, None)
+        self.kv.free(request_id)
+        request.status = RequestStatus.WAITING
+        request.num_cached_tokens = 0
+        self.expired_remote_ids.append(request_id)
+        self.waiting.appendleft(request)
+        return True
 
     # -- one step ---------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:

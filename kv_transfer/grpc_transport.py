@@ -1,0 +1,153 @@
+"""KV transfer over gRPC: a client-streaming Push from the prefill side, a servicer on the
+decode side. The sender authenticates with the cluster secret in call metadata; the receiver
+compares it in constant time and validates every chunk before anything reaches the engine."""
+
+from __future__ import annotations
+
+import hmac
+import queue
+import threading
+from concurrent import futures
+
+import grpc
+import torch
+
+from engine.remote_kv import KVSink
+from engine.scheduler_types import SampledToken, TokenLogprobs
+from kv_transfer.inbox import EngineInbox, FirstTokenArrival, KVArrival, TransferFailed
+from kv_transfer.wire import MAX_CHUNK_BYTES, CorruptChunkError, decode_chunk, encode_layer
+from proto import kv_transfer_pb2 as pb
+from proto import kv_transfer_pb2_grpc as pb_grpc
+
+SECRET_METADATA_KEY = "x-tandem-cluster-secret"
+MAX_MESSAGE_BYTES = 4 * MAX_CHUNK_BYTES  # chunks are at most MAX_CHUNK_BYTES of payload
+_CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+]
+_END = object()
+
+
+class KVTransferServicer(pb_grpc.KVTransferServicer):
+    """Decode side. ``dtype`` and ``token_shape`` ([2 * kv_heads, head_dim]) describe the
+    receiving cache; chunks that do not match, or fail their checksum, are rejected."""
+
+    def __init__(self, inbox: EngineInbox, secret: str, dtype: torch.dtype, token_shape: tuple[int, int]):
+        if not secret:
+            raise ValueError("a cluster secret is required to accept KV")
+        self._inbox = inbox
+        self._secret = secret.encode()
+        self._dtype = dtype
+        self._token_shape = token_shape
+
+    def _authorized(self, context) -> bool:
+        sent = dict(context.invocation_metadata()).get(SECRET_METADATA_KEY, "")
+        return hmac.compare_digest(sent.encode(), self._secret)
+
+    def Push(self, request_iterator, context):
+        if not self._authorized(context):
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong cluster secret")
+        reply = pb.PushReply()
+        rejected: dict[str, str] = {}
+        for message in request_iterator:
+            kind = message.WhichOneof("kind")
+            request_id = getattr(message, kind).request_id
+            if request_id in rejected:
+                continue
+            if kind == "chunk":
+                try:
+                    chunk = decode_chunk(message.chunk, self._dtype, self._token_shape)
+                except CorruptChunkError as exc:
+                    rejected[request_id] = str(exc)
+                    self._inbox.put(TransferFailed(request_id, str(exc)))
+                    continue
+                self._inbox.put(KVArrival(chunk.request_id, chunk.layer, chunk.start_pos, chunk.kv))
+                reply.bytes_received += len(message.chunk.payload)
+                reply.chunks_received += 1
+            elif kind == "first_token":
+                self._inbox.put(FirstTokenArrival(request_id, _sampled_token(message.first_token)))
+            else:
+                self._inbox.put(TransferFailed(request_id, f"sender aborted: {message.abort.reason}"))
+        reply.rejected.update(rejected)
+        return reply
+
+
+def _sampled_token(first: pb.FirstToken) -> SampledToken:
+    logprobs = None
+    if first.logprob_token_ids:
+        logprobs = TokenLogprobs(list(first.logprob_token_ids), list(first.logprobs), list(first.ranks))
+    return SampledToken(first.token_id, logprobs)
+
+
+def start_kv_server(servicer: KVTransferServicer, host: str = "127.0.0.1", port: int = 0, workers: int = 4):
+    """Serve KVTransfer; returns (server, bound port). Port 0 picks a free one."""
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers), options=_CHANNEL_OPTIONS)
+    pb_grpc.add_KVTransferServicer_to_server(servicer, server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"could not bind the KV transfer server to {host}:{port}")
+    server.start()
+    return server, bound
+
+
+class GrpcKVSink(KVSink):
+    """Prefill side: one Push stream to one decode worker. The engine thread only queues
+    tensors; a sender thread encodes (bytes + crc32) and streams them, so layer i travels
+    while layer i+1 computes. ``finish()`` ends the stream and returns the receiver's reply."""
+
+    def __init__(self, target: str, secret: str, timeout_s: float = 60.0, max_chunk_bytes: int = MAX_CHUNK_BYTES):
+        self._channel = grpc.insecure_channel(target, options=_CHANNEL_OPTIONS)
+        self._stub = pb_grpc.KVTransferStub(self._channel)
+        self._metadata = ((SECRET_METADATA_KEY, secret),)
+        self._timeout_s = timeout_s
+        self._max_chunk_bytes = max_chunk_bytes
+        self._queue: queue.Queue = queue.Queue()
+        self.bytes_sent = 0
+        self.reply: pb.PushReply | None = None
+        self.error: grpc.RpcError | None = None
+        self._thread = threading.Thread(target=self._run, name="kv-push", daemon=True)
+        self._thread.start()
+
+    def _messages(self):
+        while True:
+            item = self._queue.get()
+            if item is _END:
+                return
+            if isinstance(item, tuple):  # (request id, layer, start, kv)
+                for message in encode_layer(*item, max_chunk_bytes=self._max_chunk_bytes):
+                    yield self._on_chunk(message)
+            else:
+                yield item
+
+    def _on_chunk(self, message: pb.KVMessage) -> pb.KVMessage:
+        """Every encoded chunk passes here before it leaves (tests override it)."""
+        self.bytes_sent += len(message.chunk.payload)
+        return message
+
+    def _run(self) -> None:
+        try:
+            self.reply = self._stub.Push(self._messages(), metadata=self._metadata, timeout=self._timeout_s)
+        except grpc.RpcError as exc:
+            self.error = exc
+
+    def send_layer(self, request_id: str, layer: int, start_pos: int, kv: torch.Tensor) -> None:
+        self._queue.put((request_id, layer, start_pos, kv))
+
+    def send_first_token(self, request_id: str, token: SampledToken) -> None:
+        first = pb.FirstToken(request_id=request_id, token_id=token.token_id)
+        if token.logprobs is not None:
+            first.logprob_token_ids.extend(token.logprobs.token_ids)
+            first.logprobs.extend(token.logprobs.logprobs)
+            first.ranks.extend(token.logprobs.ranks)
+        self._queue.put(pb.KVMessage(first_token=first))
+
+    def close(self, request_id: str, finish_reason: str) -> None:
+        if finish_reason not in ("stop", "length"):  # the receiver must not wait for this one
+            self._queue.put(pb.KVMessage(abort=pb.TransferAbort(request_id=request_id, reason=finish_reason)))
+
+    def finish(self, timeout_s: float | None = None) -> pb.PushReply | None:
+        """End the stream, wait for the reply (None on error; see ``error``)."""
+        self._queue.put(_END)
+        self._thread.join(timeout_s if timeout_s is not None else self._timeout_s)
+        self._channel.close()
+        return self.reply

@@ -1,0 +1,149 @@
+"""KV transfer over real gRPC on loopback: bytes land bit for bit, corrupt chunks and
+unauthenticated senders are refused, and the decode engine never runs on bad KV."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import SamplingParams
+from engine.remote_kv import KVExport, prefill_side_params
+from kv_transfer.grpc_transport import GrpcKVSink, KVTransferServicer, start_kv_server
+from kv_transfer.inbox import EngineInbox
+from kv_transfer.wire import CorruptChunkError, decode_chunk, encode_layer
+from tests.conftest import make_llm
+
+SECRET = "test-cluster-secret"
+PROMPTS = [
+    "The quick brown fox",
+    "Explain, step by step, how photosynthesis converts light into chemical energy in plants. " * 3,
+]
+
+
+@pytest.fixture(scope="module")
+def engines(smollm_dir):
+    prefill = make_llm(model=str(smollm_dir), dtype="float32", num_kv_blocks=256, max_model_len=1024)
+    decode = make_llm(model=str(smollm_dir), dtype="float32", num_kv_blocks=256, max_model_len=1024)
+    return prefill.engine_core, decode.engine_core
+
+
+@pytest.fixture(scope="module")
+def server(engines):
+    _, decode = engines
+    inbox = EngineInbox()
+    cache = decode.kv_cache.layers[0]
+    servicer = KVTransferServicer(inbox, SECRET, cache.dtype, tuple(cache.shape[2:]))
+    grpc_server, port = start_kv_server(servicer)
+    yield inbox, f"127.0.0.1:{port}"
+    grpc_server.stop(grace=None)
+
+
+class RecordingSink(GrpcKVSink):
+    def __init__(self, *args, corrupt_request=None, **kwargs):
+        self.sent: list[tuple[str, int, int, torch.Tensor]] = []
+        self.corrupt_request = corrupt_request
+        super().__init__(*args, **kwargs)
+
+    def send_layer(self, request_id, layer, start_pos, kv):
+        self.sent.append((request_id, layer, start_pos, kv.clone()))
+        super().send_layer(request_id, layer, start_pos, kv)
+
+    def _on_chunk(self, message):
+        if message.chunk.request_id == self.corrupt_request and message.chunk.layer == 7:
+            payload = bytearray(message.chunk.payload)
+            payload[11] ^= 0x40  # one flipped bit, crc32 left as computed for the original
+            message.chunk.payload = bytes(payload)
+        return super()._on_chunk(message)
+
+
+def run_transfer(engines, inbox, sink, prompts, params, tag):
+    prefill, decode = engines
+    ids = {}
+    for index, prompt in enumerate(prompts):
+        request_id = f"{tag}{index}"
+        ids[request_id] = decode.tokenizer.encode(prompt)
+        remote = decode.make_request(request_id, ids[request_id], params)
+        from_pos = decode.add_remote_request(remote, deadline_s=120)
+        prefill.add_request(prefill.make_request(request_id, ids[request_id], prefill_side_params(params, remote.seed)),
+                            KVExport(sink, from_pos))
+    while prefill.has_unfinished_requests():
+        prefill.step()
+    reply = sink.finish()
+    drained = inbox.drain_into(decode)
+    return ids, reply, drained
+
+
+def finish_decoding(decode, drained):
+    tokens = {o.request_id: list(o.new_token_ids) for o in drained.outputs}
+    while decode.has_unfinished_requests():
+        for output in decode.step():
+            tokens.setdefault(output.request_id, []).extend(output.new_token_ids)
+    return tokens
+
+
+def test_grpc_transfer_is_bit_exact_and_decodes_like_colocated(engines, server, llm):
+    prefill, decode = engines
+    inbox, target = server
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    sink = RecordingSink(target, SECRET, max_chunk_bytes=4096)  # small chunks: many per layer
+    processed_before = decode.runner.num_tokens_processed
+    ids, reply, drained = run_transfer(engines, inbox, sink, PROMPTS, params, "g")
+    assert sink.error is None and dict(reply.rejected) == {}
+    assert reply.bytes_received == sink.bytes_sent == sum(kv.numel() * 4 for *_, kv in sink.sent)
+    assert reply.chunks_received > len(sink.sent)  # layers really were split into chunks
+    for request_id, layer, start, kv in sink.sent:  # what landed is what was computed
+        table = decode.kv_manager.block_table(request_id)
+        landed = decode.kv_cache.read_slots(layer, decode.kv_cache.slots_for(table, start, start + len(kv)))
+        assert torch.equal(landed, kv)
+    tokens = finish_decoding(decode, drained)
+    assert decode.runner.num_tokens_processed - processed_before == len(PROMPTS) * (8 - 1)  # no local prefill
+    reference = llm.generate([{"prompt_token_ids": ids[f"g{i}"]} for i in range(len(PROMPTS))], params)
+    assert [tokens[f"g{i}"] for i in range(len(PROMPTS))] == [r.outputs[0].token_ids for r in reference]
+
+
+def test_corrupt_chunk_is_refused_and_request_recomputed(engines, server, llm):
+    prefill, decode = engines
+    inbox, target = server
+    params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    sink = RecordingSink(target, SECRET, corrupt_request="c1")
+    processed_before = decode.runner.num_tokens_processed
+    fresh = ["Unseen opening. " + p for p in PROMPTS]  # nothing of these is cached anywhere yet
+    ids, reply, drained = run_transfer(engines, inbox, sink, fresh, params, "c")
+    assert "checksum" in reply.rejected["c1"] and "c0" not in reply.rejected
+    assert "checksum" in drained.fallbacks["c1"]
+    assert "c1" not in decode.kv_importer
+    tokens = finish_decoding(decode, drained)
+    # c1 was prefilled locally (never on the corrupt KV), c0 used its transfer
+    assert decode.runner.num_tokens_processed - processed_before == len(ids["c1"]) + 2 * (5 - 1)
+    reference = llm.generate([{"prompt_token_ids": ids["c0"]}, {"prompt_token_ids": ids["c1"]}], params)
+    assert [tokens["c0"], tokens["c1"]] == [r.outputs[0].token_ids for r in reference]
+
+
+def test_sender_without_the_secret_is_rejected(engines, server):
+    prefill, decode = engines
+    inbox, target = server
+    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    sink = GrpcKVSink(target, "wrong-secret")
+    ids, reply, drained = run_transfer(engines, inbox, sink, PROMPTS[:1], params, "x")
+    assert reply is None and sink.error.code().name == "UNAUTHENTICATED"
+    assert len(inbox) == 0 and drained.outputs == []
+    assert decode.kv_importer._states["x0"].received.sum() == 0  # nothing was written
+    decode.abort_request("x0")
+    assert decode.block_pool.num_free_blocks == decode.block_pool.num_blocks
+
+
+def test_wire_format_round_trip_and_validation():
+    kv = torch.randn(37, 6, 64).to(torch.bfloat16)
+    messages = list(encode_layer("r", 3, 100, kv, max_chunk_bytes=10 * 6 * 64 * 2))
+    assert [m.chunk.num_tokens for m in messages] == [10, 10, 10, 7]
+    parts = [decode_chunk(m.chunk, torch.bfloat16, (6, 64)) for m in messages]
+    assert [p.start_pos for p in parts] == [100, 110, 120, 130]
+    assert torch.equal(torch.cat([p.kv for p in parts]), kv)
+    with pytest.raises(CorruptChunkError, match="dtype"):
+        decode_chunk(messages[0].chunk, torch.float32, (6, 64))
+    with pytest.raises(CorruptChunkError, match="shape"):
+        decode_chunk(messages[0].chunk, torch.bfloat16, (4, 64))
+    truncated = messages[0].chunk
+    truncated.payload = truncated.payload[:-2]
+    with pytest.raises(CorruptChunkError, match="bytes"):
+        decode_chunk(truncated, torch.bfloat16, (6, 64))
