@@ -26,6 +26,12 @@ def make_llm(**kwargs):
     return llm
 
 
+def make_engine_pair(model_dir):
+    """A prefill engine and a decode engine (float32, separate caches) for transfer tests."""
+    kwargs = dict(model=str(model_dir), dtype="float32", num_kv_blocks=256, max_model_len=1024)
+    return make_llm(**kwargs).engine_core, make_llm(**kwargs).engine_core
+
+
 @pytest.fixture(autouse=True)
 def _block_pool_integrity():
     yield

@@ -11,7 +11,7 @@ from engine.remote_kv import KVExport, prefill_side_params
 from kv_transfer.grpc_transport import GrpcKVSink, KVTransferServicer, start_kv_server
 from kv_transfer.inbox import EngineInbox
 from kv_transfer.wire import CorruptChunkError, decode_chunk, encode_layer
-from tests.conftest import make_llm
+from tests.conftest import make_engine_pair
 
 SECRET = "test-cluster-secret"
 PROMPTS = [
@@ -22,9 +22,7 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def engines(smollm_dir):
-    prefill = make_llm(model=str(smollm_dir), dtype="float32", num_kv_blocks=256, max_model_len=1024)
-    decode = make_llm(model=str(smollm_dir), dtype="float32", num_kv_blocks=256, max_model_len=1024)
-    return prefill.engine_core, decode.engine_core
+    return make_engine_pair(smollm_dir)
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ from engine import SamplingParams
 from engine.remote_kv import KVExport, prefill_side_params
 from engine.scheduler_types import SampledToken
 from kv_transfer.inprocess import InProcessKVSink
-from tests.conftest import make_llm
+from tests.conftest import make_engine_pair
 from tests.reference import EqualityStats, assert_same_as_engine_reference
 
 PROMPTS = [
@@ -24,9 +24,7 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def pair(smollm_dir):
-    prefill = make_llm(model=str(smollm_dir), dtype="float32", num_kv_blocks=256, max_model_len=1024)
-    decode = make_llm(model=str(smollm_dir), dtype="float32", num_kv_blocks=256, max_model_len=1024)
-    return prefill.engine_core, decode.engine_core
+    return make_engine_pair(smollm_dir)
 
 
 class _Recorder(InProcessKVSink):
