@@ -145,3 +145,38 @@ def test_wire_format_round_trip_and_validation():
     truncated.payload = truncated.payload[:-2]
     with pytest.raises(CorruptChunkError, match="bytes"):
         decode_chunk(truncated, torch.bfloat16, (6, 64))
+
+
+def test_first_layer_arrives_before_prefill_finishes(engines, server):
+    """Layer-wise overlap is real: the receiver holds layer 0's KV while the sender's
+    forward pass is still running later layers."""
+    import time
+
+    prefill, decode = engines
+    inbox, target = server
+    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    arrival_times: list[float] = []
+    original_put = inbox.put
+
+    def timed_put(item):
+        arrival_times.append(time.perf_counter())
+        original_put(item)
+
+    inbox.put = timed_put
+    try:
+        sink = GrpcKVSink(target, SECRET)
+        prompt = " ".join(f"w{i}" for i in range(200))  # a long prompt (~700 tokens): a slow forward
+        ids = decode.tokenizer.encode(prompt)
+        remote = decode.make_request("overlap", ids, params)
+        from_pos = decode.add_remote_request(remote, deadline_s=120)
+        prefill.add_request(prefill.make_request("overlap", ids, prefill_side_params(params, remote.seed)),
+                            KVExport(sink, from_pos))
+        prefill.step()
+        step_done = time.perf_counter()
+        sink.finish()
+    finally:
+        inbox.put = original_put
+    assert arrival_times and arrival_times[0] < step_done  # received during the forward pass
+    drained = inbox.drain_into(decode)
+    tokens = finish_decoding(decode, drained)
+    assert len(tokens["overlap"]) == 2
