@@ -65,14 +65,23 @@ class KVTransferServicer(pb_grpc.KVTransferServicer):
                 reply.bytes_received += len(message.chunk.payload)
                 reply.chunks_received += 1
             elif kind == "first_token":
-                self._inbox.put(FirstTokenArrival(request_id, _sampled_token(message.first_token)))
+                self._inbox.put(FirstTokenArrival(request_id, sampled_token(message.first_token)))
             else:
                 self._inbox.put(TransferFailed(request_id, f"sender aborted: {message.abort.reason}"))
         reply.rejected.update(rejected)
         return reply
 
 
-def _sampled_token(first: pb.FirstToken) -> SampledToken:
+def first_token_message(request_id: str, token: SampledToken) -> pb.KVMessage:
+    first = pb.FirstToken(request_id=request_id, token_id=token.token_id)
+    if token.logprobs is not None:
+        first.logprob_token_ids.extend(token.logprobs.token_ids)
+        first.logprobs.extend(token.logprobs.logprobs)
+        first.ranks.extend(token.logprobs.ranks)
+    return pb.KVMessage(first_token=first)
+
+
+def sampled_token(first: pb.FirstToken) -> SampledToken:
     logprobs = None
     if first.logprob_token_ids:
         logprobs = TokenLogprobs(list(first.logprob_token_ids), list(first.logprobs), list(first.ranks))
@@ -134,12 +143,7 @@ class GrpcKVSink(KVSink):
         self._queue.put((request_id, layer, start_pos, kv))
 
     def send_first_token(self, request_id: str, token: SampledToken) -> None:
-        first = pb.FirstToken(request_id=request_id, token_id=token.token_id)
-        if token.logprobs is not None:
-            first.logprob_token_ids.extend(token.logprobs.token_ids)
-            first.logprobs.extend(token.logprobs.logprobs)
-            first.ranks.extend(token.logprobs.ranks)
-        self._queue.put(pb.KVMessage(first_token=first))
+        self._queue.put(first_token_message(request_id, token))
 
     def close(self, request_id: str, finish_reason: str) -> None:
         if finish_reason not in ("stop", "length"):  # the receiver must not wait for this one

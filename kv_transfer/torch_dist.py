@@ -1,0 +1,181 @@
+"""KV transfer over torch.distributed point-to-point (gloo for CPU tensors here; the same
+frames over NCCL carry CUDA tensors on GPUs).
+
+Each sender/receiver pair gets its own two-rank process group, created when the pair first
+talks (the receiver hosts the rendezvous store on a free port and tells the sender where),
+and torn down when the stream ends or fails. Frames are length-prefixed: the first carries the
+cluster secret (compared in constant time; a wrong one ends the pair before any KV is read),
+then each chunk is a protobuf header (wire.py, crc32 included, payload empty) followed by the
+raw tensor bytes, received straight into a tensor and checked before the engine sees it.
+"""
+
+from __future__ import annotations
+
+import hmac
+import queue
+import threading
+import zlib
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from engine.remote_kv import KVSink
+from engine.scheduler_types import SampledToken
+from kv_transfer.grpc_transport import first_token_message, sampled_token
+from kv_transfer.inbox import EngineInbox, FirstTokenArrival, KVArrival, TransferFailed
+from kv_transfer.wire import MAX_CHUNK_BYTES, CorruptChunkError, decode_chunk, encode_layer
+from proto import kv_transfer_pb2 as pb
+
+_RECEIVER, _SENDER = 0, 1
+_END = object()
+
+
+def _send_frame(group, data: torch.Tensor, peer: int) -> None:
+    """A length prefix, then the bytes (a uint8 tensor); length 0 ends the stream."""
+    group.send([torch.tensor([data.numel()], dtype=torch.int64)], peer, 0).wait()
+    if data.numel():
+        group.send([data], peer, 0).wait()
+
+
+def _recv_frame(group, peer: int, max_bytes: int) -> torch.Tensor | None:
+    length = torch.empty(1, dtype=torch.int64)
+    group.recv([length], peer, 0).wait()
+    size = int(length[0])
+    if size == 0:
+        return None
+    if not 0 < size <= max_bytes:
+        raise CorruptChunkError(f"frame of {size} bytes (limit {max_bytes})")
+    data = torch.empty(size, dtype=torch.uint8)
+    group.recv([data], peer, 0).wait()
+    return data
+
+
+def _bytes_tensor(data: bytes) -> torch.Tensor:
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+
+
+@dataclass
+class TransferStats:
+    bytes_received: int = 0
+    chunks_received: int = 0
+    rejected: dict[str, str] = field(default_factory=dict)  # request id -> reason
+    error: str | None = None  # why the pair ended early (auth, timeout, peer gone)
+
+
+class TorchDistKVReceiver:
+    """Decode side of one pair: hosts the rendezvous store, receives on its own thread, and
+    puts validated KV into the engine's inbox. ``address`` is what the sender needs."""
+
+    def __init__(self, inbox: EngineInbox, secret: str, dtype: torch.dtype, token_shape: tuple[int, int],
+                 host: str = "127.0.0.1", timeout_s: float = 60.0):
+        if not secret:
+            raise ValueError("a cluster secret is required to accept KV")
+        self._inbox, self._secret = inbox, secret.encode()
+        self._dtype, self._token_shape = dtype, token_shape
+        self._timeout = timedelta(seconds=timeout_s)
+        self._store = dist.TCPStore(host, 0, 2, True, self._timeout, wait_for_workers=False)
+        self.address = (host, self._store.port)
+        self.stats = TransferStats()
+        self._thread = threading.Thread(target=self._run, name="kv-recv-gloo", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            group = dist.ProcessGroupGloo(self._store, _RECEIVER, 2, self._timeout)
+            secret = _recv_frame(group, _SENDER, 4096)
+            if secret is None or not hmac.compare_digest(secret.numpy().tobytes(), self._secret):
+                self.stats.error = "sender did not present the cluster secret"
+                return  # the pair ends here: nothing of this sender is read
+            while (frame := _recv_frame(group, _SENDER, 1 << 16)) is not None:
+                self._handle(group, pb.KVMessage.FromString(frame.numpy().tobytes()))
+        except (RuntimeError, CorruptChunkError) as exc:  # timeouts and dead peers surface here
+            self.stats.error = str(exc)
+
+    def _handle(self, group, message: pb.KVMessage) -> None:
+        kind = message.WhichOneof("kind")
+        request_id = getattr(message, kind).request_id
+        if kind == "chunk":
+            payload = _recv_frame(group, _SENDER, 4 * MAX_CHUNK_BYTES)  # always read, even if refused
+            if request_id in self.stats.rejected:
+                return
+            message.chunk.payload = b"" if payload is None else payload.numpy().tobytes()
+            try:
+                chunk = decode_chunk(message.chunk, self._dtype, self._token_shape)
+            except CorruptChunkError as exc:
+                self.stats.rejected[request_id] = str(exc)
+                self._inbox.put(TransferFailed(request_id, str(exc)))
+                return
+            self._inbox.put(KVArrival(chunk.request_id, chunk.layer, chunk.start_pos, chunk.kv))
+            self.stats.bytes_received += len(message.chunk.payload)
+            self.stats.chunks_received += 1
+        elif request_id in self.stats.rejected:
+            return
+        elif kind == "first_token":
+            self._inbox.put(FirstTokenArrival(request_id, sampled_token(message.first_token)))
+        else:
+            self._inbox.put(TransferFailed(request_id, f"sender aborted: {message.abort.reason}"))
+
+    def join(self, timeout_s: float | None = None) -> TransferStats:
+        self._thread.join(timeout_s)
+        return self.stats
+
+
+class TorchDistKVSink(KVSink):
+    """Prefill side of one pair: joins the receiver's group at ``address`` and streams from a
+    sender thread (the engine thread only queues tensors). ``finish()`` ends the stream."""
+
+    def __init__(self, address: tuple[str, int], secret: str, timeout_s: float = 60.0,
+                 max_chunk_bytes: int = MAX_CHUNK_BYTES):
+        self._address, self._secret = address, secret
+        self._timeout = timedelta(seconds=timeout_s)
+        self._max_chunk_bytes = max_chunk_bytes
+        self._queue: queue.Queue = queue.Queue()
+        self.bytes_sent = 0
+        self.error: str | None = None
+        self._thread = threading.Thread(target=self._run, name="kv-send-gloo", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            store = dist.TCPStore(self._address[0], self._address[1], 2, False, self._timeout)
+            group = dist.ProcessGroupGloo(store, _SENDER, 2, self._timeout)
+            _send_frame(group, _bytes_tensor(self._secret.encode()), _RECEIVER)
+            while (item := self._queue.get()) is not _END:
+                if isinstance(item, tuple):
+                    for message in encode_layer(*item, max_chunk_bytes=self._max_chunk_bytes):
+                        self._send_chunk(group, message)
+                else:
+                    _send_frame(group, _bytes_tensor(item.SerializeToString()), _RECEIVER)
+            _send_frame(group, torch.empty(0, dtype=torch.uint8), _RECEIVER)
+        except RuntimeError as exc:
+            self.error = str(exc)
+
+    def _send_chunk(self, group, message: pb.KVMessage) -> None:
+        payload = message.chunk.payload
+        assert zlib.crc32(payload) == message.chunk.crc32
+        message.chunk.payload = b""  # the header travels alone; the bytes follow as a tensor
+        _send_frame(group, _bytes_tensor(message.SerializeToString()), _RECEIVER)
+        _send_frame(group, self._payload_tensor(message, payload), _RECEIVER)
+        self.bytes_sent += len(payload)
+
+    def _payload_tensor(self, message: pb.KVMessage, payload: bytes) -> torch.Tensor:
+        """The bytes that leave for one chunk (tests override it to corrupt them)."""
+        return _bytes_tensor(payload)
+
+    def send_layer(self, request_id: str, layer: int, start_pos: int, kv: torch.Tensor) -> None:
+        self._queue.put((request_id, layer, start_pos, kv))
+
+    def send_first_token(self, request_id: str, token: SampledToken) -> None:
+        self._queue.put(first_token_message(request_id, token))
+
+    def close(self, request_id: str, finish_reason: str) -> None:
+        if finish_reason not in ("stop", "length"):
+            self._queue.put(pb.KVMessage(abort=pb.TransferAbort(request_id=request_id, reason=finish_reason)))
+
+    def finish(self, timeout_s: float | None = None) -> str | None:
+        """End the stream and wait for it to drain; returns the error, if any."""
+        self._queue.put(_END)
+        self._thread.join(timeout_s if timeout_s is not None else self._timeout.total_seconds())
+        return self.error

@@ -1,0 +1,154 @@
+"""KV transfer over torch.distributed (gloo): bit-exact, authenticated, checked — between
+threads of this process and between two real processes."""
+
+from __future__ import annotations
+
+import multiprocessing
+
+import pytest
+import torch
+
+from engine import SamplingParams
+from engine.remote_kv import KVExport, prefill_side_params
+from kv_transfer.inbox import EngineInbox
+from kv_transfer.torch_dist import TorchDistKVReceiver, TorchDistKVSink
+from tests.conftest import make_engine_pair
+
+SECRET = "gloo-test-secret"
+PROMPTS = ["A gloo transfer carries this prompt", "Another prompt, with a few more tokens in it than the first one"]
+
+
+@pytest.fixture(scope="module")
+def engines(smollm_dir):
+    return make_engine_pair(smollm_dir)
+
+
+def receiver_for(decode, secret=SECRET):
+    inbox = EngineInbox()
+    cache = decode.kv_cache.layers[0]
+    return inbox, TorchDistKVReceiver(inbox, secret, cache.dtype, tuple(cache.shape[2:]), timeout_s=30)
+
+
+class RecordingSink(TorchDistKVSink):
+    def __init__(self, *args, corrupt_request=None, **kwargs):
+        self.sent = []
+        self.corrupt_request = corrupt_request
+        super().__init__(*args, **kwargs)
+
+    def send_layer(self, request_id, layer, start_pos, kv):
+        self.sent.append((request_id, layer, start_pos, kv.clone()))
+        super().send_layer(request_id, layer, start_pos, kv)
+
+    def _payload_tensor(self, message, payload):
+        data = super()._payload_tensor(message, payload)
+        if message.chunk.request_id == self.corrupt_request and message.chunk.layer == 3:
+            data[5] ^= 1
+        return data
+
+
+def reserve(decode, prompts, params, tag):
+    plan = []
+    for index, prompt in enumerate(prompts):
+        ids = decode.tokenizer.encode(prompt)
+        remote = decode.make_request(f"{tag}{index}", ids, params)
+        plan.append((remote.request_id, ids, decode.add_remote_request(remote, deadline_s=120), remote.seed))
+    return plan
+
+
+def decode_all(decode, inbox):
+    drained = inbox.drain_into(decode)
+    tokens = {o.request_id: list(o.new_token_ids) for o in drained.outputs}
+    while decode.has_unfinished_requests():
+        for output in decode.step():
+            tokens.setdefault(output.request_id, []).extend(output.new_token_ids)
+    return tokens, drained
+
+
+def test_gloo_transfer_between_threads_decodes_like_colocated(engines, llm):
+    prefill, decode = engines
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    inbox, receiver = receiver_for(decode)
+    sink = RecordingSink(receiver.address, SECRET, max_chunk_bytes=8192)
+    for request_id, ids, from_pos, seed in reserve(decode, PROMPTS, params, "t"):
+        prefill.add_request(prefill.make_request(request_id, ids, prefill_side_params(params, seed)), KVExport(sink, from_pos))
+    while prefill.has_unfinished_requests():
+        prefill.step()
+    assert sink.finish() is None
+    stats = receiver.join(30)
+    assert stats.error is None and stats.rejected == {}
+    assert stats.bytes_received == sink.bytes_sent == sum(kv.numel() * 4 for *_, kv in sink.sent)
+    tokens, drained = decode_all(decode, inbox)
+    assert drained.fallbacks == {}
+    reference = llm.generate(PROMPTS, params)
+    assert [tokens["t0"], tokens["t1"]] == [r.outputs[0].token_ids for r in reference]
+
+
+def test_gloo_landed_kv_equals_sent_and_corruption_is_refused(engines):
+    prefill, decode = engines
+    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    inbox, receiver = receiver_for(decode)
+    sink = RecordingSink(receiver.address, SECRET, corrupt_request="k1")
+    fresh = ["Bits for gloo: " + p for p in PROMPTS]
+    for request_id, ids, from_pos, seed in reserve(decode, fresh, params, "k"):
+        prefill.add_request(prefill.make_request(request_id, ids, prefill_side_params(params, seed)), KVExport(sink, from_pos))
+    while prefill.has_unfinished_requests():
+        prefill.step()
+    sink.finish()
+    stats = receiver.join(30)
+    assert "checksum" in stats.rejected["k1"] and "k0" not in stats.rejected
+    drained = inbox.drain_into(decode)
+    assert "k1" in drained.fallbacks and [o.request_id for o in drained.outputs] == ["k0"]
+    table = decode.kv_manager.block_table("k0")
+    for request_id, layer, start, kv in sink.sent:
+        if request_id == "k0":
+            landed = decode.kv_cache.read_slots(layer, decode.kv_cache.slots_for(table, start, start + len(kv)))
+            assert torch.equal(landed, kv)
+    while decode.has_unfinished_requests():
+        decode.step()
+
+
+def test_gloo_sender_without_the_secret_is_refused(engines):
+    _, decode = engines
+    inbox, receiver = receiver_for(decode)
+    sink = TorchDistKVSink(receiver.address, "not-the-secret", timeout_s=5)
+    sink.send_layer("nobody", 0, 0, torch.zeros(4, *decode.kv_cache.layers[0].shape[2:]))
+    sink.finish()
+    stats = receiver.join(30)
+    assert "secret" in stats.error and stats.bytes_received == 0 and len(inbox) == 0
+
+
+def _prefill_process(model_dir, address, plan, params, result_queue):
+    """Child process: a prefill engine that streams its KV to the parent over gloo."""
+    from engine import LLM
+
+    torch.set_num_threads(1)
+    core = LLM(model=model_dir, dtype="float32", num_kv_blocks=128, max_model_len=512).engine_core
+    sink = TorchDistKVSink(tuple(address), SECRET, timeout_s=60)
+    for request_id, ids, from_pos, seed in plan:
+        core.add_request(core.make_request(request_id, ids, prefill_side_params(params, seed)), KVExport(sink, from_pos))
+    while core.has_unfinished_requests():
+        core.step()
+    result_queue.put((sink.finish(), sink.bytes_sent))
+
+
+def test_gloo_transfer_between_processes(engines, smollm_dir, llm):
+    _, decode = engines
+    params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    inbox, receiver = receiver_for(decode)
+    prompts = ["Across processes: " + p for p in PROMPTS]
+    plan = reserve(decode, prompts, params, "p")
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
+    child = context.Process(target=_prefill_process, args=(str(smollm_dir), list(receiver.address), plan, params, results))
+    child.start()
+    error, bytes_sent = results.get(timeout=180)
+    child.join(60)
+    assert child.exitcode == 0 and error is None
+    stats = receiver.join(30)
+    assert stats.error is None and stats.bytes_received == bytes_sent > 0
+    processed_before = decode.runner.num_tokens_processed
+    tokens, drained = decode_all(decode, inbox)
+    assert drained.fallbacks == {}
+    assert decode.runner.num_tokens_processed - processed_before == len(prompts) * (5 - 1)
+    reference = llm.generate(prompts, params)
+    assert [tokens["p0"], tokens["p1"]] == [r.outputs[0].token_ids for r in reference]
