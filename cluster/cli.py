@@ -68,6 +68,16 @@ def _cmd_bench_engine(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_bench_kv_transfer(args: argparse.Namespace) -> int:
+    from bench.kv_transfer_bench import KVTransferBenchResult, overlap, render, throughput
+
+    result = KVTransferBenchResult(rows=throughput([int(s) for s in args.sizes_mib.split(",")]))
+    if args.prompt_tokens:
+        result.overlap = overlap(args.model, args.prompt_tokens, args.threads)
+    print(render(result))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     from engine.models.registry import DEFAULT_MODEL
 
@@ -105,6 +115,12 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--no-transformers", action="store_true", help="skip the transformers reference")
     engine.add_argument("--out", help="write the results as JSON here")
     engine.set_defaults(func=_cmd_bench_engine)
+    transfer = bench_cmds.add_parser("kv-transfer", help="KV transports vs bare gRPC and memcpy on loopback")
+    transfer.add_argument("--sizes-mib", default="1,4,16,64,256")
+    transfer.add_argument("--model", default=DEFAULT_MODEL)
+    transfer.add_argument("--prompt-tokens", type=int, default=2048, help="0 skips the overlap measurement")
+    transfer.add_argument("--threads", type=int, default=2)
+    transfer.set_defaults(func=_cmd_bench_kv_transfer)
     return parser
 
 

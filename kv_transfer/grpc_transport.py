@@ -15,11 +15,11 @@ import torch
 from engine.remote_kv import KVSink
 from engine.scheduler_types import SampledToken, TokenLogprobs
 from kv_transfer.inbox import EngineInbox, FirstTokenArrival, KVArrival, TransferFailed
-from kv_transfer.wire import MAX_CHUNK_BYTES, CorruptChunkError, decode_chunk, encode_layer
+from kv_transfer.wire import MAX_CHUNK_BYTES, CorruptChunkError, decode_chunk, encode_layer, frame, parse_frame
 from proto import kv_transfer_pb2 as pb
-from proto import kv_transfer_pb2_grpc as pb_grpc
 
 SECRET_METADATA_KEY = "x-tandem-cluster-secret"
+PUSH_METHOD = "/tandem.v1.KVTransfer/Push"  # client-streaming frames (wire.py) -> PushReply
 MAX_MESSAGE_BYTES = 4 * MAX_CHUNK_BYTES  # chunks are at most MAX_CHUNK_BYTES of payload
 _CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -28,7 +28,7 @@ _CHANNEL_OPTIONS = [
 _END = object()
 
 
-class KVTransferServicer(pb_grpc.KVTransferServicer):
+class KVTransferServicer:
     """Decode side. ``dtype`` and ``token_shape`` ([2 * kv_heads, head_dim]) describe the
     receiving cache; chunks that do not match, or fail their checksum, are rejected."""
 
@@ -44,25 +44,29 @@ class KVTransferServicer(pb_grpc.KVTransferServicer):
         sent = dict(context.invocation_metadata()).get(SECRET_METADATA_KEY, "")
         return hmac.compare_digest(sent.encode(), self._secret)
 
-    def Push(self, request_iterator, context):
+    def push(self, frames, context) -> pb.PushReply:
         if not self._authorized(context):
             context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong cluster secret")
         reply = pb.PushReply()
         rejected: dict[str, str] = {}
-        for message in request_iterator:
+        for data in frames:
+            try:
+                message, payload = parse_frame(data)
+            except CorruptChunkError as exc:  # no request to blame: the stream itself is broken
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad KV frame: {exc}")
             kind = message.WhichOneof("kind")
             request_id = getattr(message, kind).request_id
             if request_id in rejected:
                 continue
             if kind == "chunk":
                 try:
-                    chunk = decode_chunk(message.chunk, self._dtype, self._token_shape)
+                    chunk = decode_chunk(message.chunk, payload, self._dtype, self._token_shape)
                 except CorruptChunkError as exc:
                     rejected[request_id] = str(exc)
                     self._inbox.put(TransferFailed(request_id, str(exc)))
                     continue
                 self._inbox.put(KVArrival(chunk.request_id, chunk.layer, chunk.start_pos, chunk.kv))
-                reply.bytes_received += len(message.chunk.payload)
+                reply.bytes_received += payload.nbytes
                 reply.chunks_received += 1
             elif kind == "first_token":
                 self._inbox.put(FirstTokenArrival(request_id, sampled_token(message.first_token)))
@@ -70,6 +74,11 @@ class KVTransferServicer(pb_grpc.KVTransferServicer):
                 self._inbox.put(TransferFailed(request_id, f"sender aborted: {message.abort.reason}"))
         reply.rejected.update(rejected)
         return reply
+
+    def handler(self) -> grpc.GenericRpcHandler:
+        """Frames arrive as raw bytes (no protobuf copy of the payload); the reply is protobuf."""
+        push = grpc.stream_unary_rpc_method_handler(self.push, response_serializer=pb.PushReply.SerializeToString)
+        return grpc.method_handlers_generic_handler("tandem.v1.KVTransfer", {"Push": push})
 
 
 def first_token_message(request_id: str, token: SampledToken) -> pb.KVMessage:
@@ -91,7 +100,7 @@ def sampled_token(first: pb.FirstToken) -> SampledToken:
 def start_kv_server(servicer: KVTransferServicer, host: str = "127.0.0.1", port: int = 0, workers: int = 4):
     """Serve KVTransfer; returns (server, bound port). Port 0 picks a free one."""
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers), options=_CHANNEL_OPTIONS)
-    pb_grpc.add_KVTransferServicer_to_server(servicer, server)
+    server.add_generic_rpc_handlers((servicer.handler(),))
     bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:
         raise OSError(f"could not bind the KV transfer server to {host}:{port}")
@@ -106,7 +115,7 @@ class GrpcKVSink(KVSink):
 
     def __init__(self, target: str, secret: str, timeout_s: float = 60.0, max_chunk_bytes: int = MAX_CHUNK_BYTES):
         self._channel = grpc.insecure_channel(target, options=_CHANNEL_OPTIONS)
-        self._stub = pb_grpc.KVTransferStub(self._channel)
+        self._push = self._channel.stream_unary(PUSH_METHOD, response_deserializer=pb.PushReply.FromString)
         self._metadata = ((SECRET_METADATA_KEY, secret),)
         self._timeout_s = timeout_s
         self._max_chunk_bytes = max_chunk_bytes
@@ -123,19 +132,20 @@ class GrpcKVSink(KVSink):
             if item is _END:
                 return
             if isinstance(item, tuple):  # (request id, layer, start, kv)
-                for message in encode_layer(*item, max_chunk_bytes=self._max_chunk_bytes):
-                    yield self._on_chunk(message)
+                for data in encode_layer(*item, max_chunk_bytes=self._max_chunk_bytes):
+                    yield self._on_frame(data)
             else:
-                yield item
+                yield frame(item)
 
-    def _on_chunk(self, message: pb.KVMessage) -> pb.KVMessage:
-        """Every encoded chunk passes here before it leaves (tests override it)."""
-        self.bytes_sent += len(message.chunk.payload)
-        return message
+    def _on_frame(self, data: bytes) -> bytes:
+        """Every KV frame passes here before it leaves (tests override it)."""
+        message, payload = parse_frame(data)
+        self.bytes_sent += payload.nbytes
+        return data
 
     def _run(self) -> None:
         try:
-            self.reply = self._stub.Push(self._messages(), metadata=self._metadata, timeout=self._timeout_s)
+            self.reply = self._push(self._messages(), metadata=self._metadata, timeout=self._timeout_s)
         except grpc.RpcError as exc:
             self.error = exc
 

@@ -5,8 +5,8 @@ Each sender/receiver pair gets its own two-rank process group, created when the 
 talks (the receiver hosts the rendezvous store on a free port and tells the sender where),
 and torn down when the stream ends or fails. Frames are length-prefixed: the first carries the
 cluster secret (compared in constant time; a wrong one ends the pair before any KV is read),
-then each chunk is a protobuf header (wire.py, crc32 included, payload empty) followed by the
-raw tensor bytes, received straight into a tensor and checked before the engine sees it.
+then one wire.py frame per message (protobuf header with crc32, then the raw tensor bytes),
+received into a byte tensor and checked before the engine sees it.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from __future__ import annotations
 import hmac
 import queue
 import threading
-import zlib
+import warnings
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -25,11 +25,14 @@ from engine.remote_kv import KVSink
 from engine.scheduler_types import SampledToken
 from kv_transfer.grpc_transport import first_token_message, sampled_token
 from kv_transfer.inbox import EngineInbox, FirstTokenArrival, KVArrival, TransferFailed
-from kv_transfer.wire import MAX_CHUNK_BYTES, CorruptChunkError, decode_chunk, encode_layer
+from kv_transfer.wire import CorruptChunkError, decode_chunk, encode_layer, frame, parse_frame
 from proto import kv_transfer_pb2 as pb
 
 _RECEIVER, _SENDER = 0, 1
 _END = object()
+# No message-size limit here, so chunks are larger than gRPC's: each chunk costs a few
+# synchronous send/recv round trips, which dominate for small ones.
+GLOO_CHUNK_BYTES = 16 << 20
 
 
 def _send_frame(group, data: torch.Tensor, peer: int) -> None:
@@ -53,7 +56,9 @@ def _recv_frame(group, peer: int, max_bytes: int) -> torch.Tensor | None:
 
 
 def _bytes_tensor(data: bytes) -> torch.Tensor:
-    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    with warnings.catch_warnings():  # a read-only view of the bytes: gloo only reads it
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.frombuffer(data, dtype=torch.uint8)
 
 
 @dataclass
@@ -88,30 +93,26 @@ class TorchDistKVReceiver:
             if secret is None or not hmac.compare_digest(secret.numpy().tobytes(), self._secret):
                 self.stats.error = "sender did not present the cluster secret"
                 return  # the pair ends here: nothing of this sender is read
-            while (frame := _recv_frame(group, _SENDER, 1 << 16)) is not None:
-                self._handle(group, pb.KVMessage.FromString(frame.numpy().tobytes()))
-        except (RuntimeError, CorruptChunkError) as exc:  # timeouts and dead peers surface here
+            while (data := _recv_frame(group, _SENDER, 2 * GLOO_CHUNK_BYTES)) is not None:
+                self._handle(*parse_frame(data.numpy()))
+        except (RuntimeError, CorruptChunkError) as exc:  # timeouts, dead peers, broken frames
             self.stats.error = str(exc)
 
-    def _handle(self, group, message: pb.KVMessage) -> None:
+    def _handle(self, message: pb.KVMessage, payload: memoryview) -> None:
         kind = message.WhichOneof("kind")
         request_id = getattr(message, kind).request_id
+        if request_id in self.stats.rejected:
+            return
         if kind == "chunk":
-            payload = _recv_frame(group, _SENDER, 4 * MAX_CHUNK_BYTES)  # always read, even if refused
-            if request_id in self.stats.rejected:
-                return
-            message.chunk.payload = b"" if payload is None else payload.numpy().tobytes()
             try:
-                chunk = decode_chunk(message.chunk, self._dtype, self._token_shape)
+                chunk = decode_chunk(message.chunk, payload, self._dtype, self._token_shape)
             except CorruptChunkError as exc:
                 self.stats.rejected[request_id] = str(exc)
                 self._inbox.put(TransferFailed(request_id, str(exc)))
                 return
             self._inbox.put(KVArrival(chunk.request_id, chunk.layer, chunk.start_pos, chunk.kv))
-            self.stats.bytes_received += len(message.chunk.payload)
+            self.stats.bytes_received += payload.nbytes
             self.stats.chunks_received += 1
-        elif request_id in self.stats.rejected:
-            return
         elif kind == "first_token":
             self._inbox.put(FirstTokenArrival(request_id, sampled_token(message.first_token)))
         else:
@@ -127,7 +128,7 @@ class TorchDistKVSink(KVSink):
     sender thread (the engine thread only queues tensors). ``finish()`` ends the stream."""
 
     def __init__(self, address: tuple[str, int], secret: str, timeout_s: float = 60.0,
-                 max_chunk_bytes: int = MAX_CHUNK_BYTES):
+                 max_chunk_bytes: int = GLOO_CHUNK_BYTES):
         self._address, self._secret = address, secret
         self._timeout = timedelta(seconds=timeout_s)
         self._max_chunk_bytes = max_chunk_bytes
@@ -144,25 +145,18 @@ class TorchDistKVSink(KVSink):
             _send_frame(group, _bytes_tensor(self._secret.encode()), _RECEIVER)
             while (item := self._queue.get()) is not _END:
                 if isinstance(item, tuple):
-                    for message in encode_layer(*item, max_chunk_bytes=self._max_chunk_bytes):
-                        self._send_chunk(group, message)
+                    for data in encode_layer(*item, max_chunk_bytes=self._max_chunk_bytes):
+                        self.bytes_sent += parse_frame(data)[1].nbytes
+                        _send_frame(group, self._frame_tensor(data), _RECEIVER)
                 else:
-                    _send_frame(group, _bytes_tensor(item.SerializeToString()), _RECEIVER)
+                    _send_frame(group, _bytes_tensor(frame(item)), _RECEIVER)
             _send_frame(group, torch.empty(0, dtype=torch.uint8), _RECEIVER)
         except RuntimeError as exc:
             self.error = str(exc)
 
-    def _send_chunk(self, group, message: pb.KVMessage) -> None:
-        payload = message.chunk.payload
-        assert zlib.crc32(payload) == message.chunk.crc32
-        message.chunk.payload = b""  # the header travels alone; the bytes follow as a tensor
-        _send_frame(group, _bytes_tensor(message.SerializeToString()), _RECEIVER)
-        _send_frame(group, self._payload_tensor(message, payload), _RECEIVER)
-        self.bytes_sent += len(payload)
-
-    def _payload_tensor(self, message: pb.KVMessage, payload: bytes) -> torch.Tensor:
-        """The bytes that leave for one chunk (tests override it to corrupt them)."""
-        return _bytes_tensor(payload)
+    def _frame_tensor(self, data: bytes) -> torch.Tensor:
+        """The bytes that leave for one KV frame (tests override it to corrupt them)."""
+        return _bytes_tensor(data)
 
     def send_layer(self, request_id: str, layer: int, start_pos: int, kv: torch.Tensor) -> None:
         self._queue.put((request_id, layer, start_pos, kv))

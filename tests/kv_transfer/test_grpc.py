@@ -10,7 +10,7 @@ from engine import SamplingParams
 from engine.remote_kv import KVExport, prefill_side_params
 from kv_transfer.grpc_transport import GrpcKVSink, KVTransferServicer, start_kv_server
 from kv_transfer.inbox import EngineInbox
-from kv_transfer.wire import CorruptChunkError, decode_chunk, encode_layer
+from kv_transfer.wire import CorruptChunkError, decode_chunk, encode_layer, parse_frame
 from tests.conftest import make_engine_pair
 
 SECRET = "test-cluster-secret"
@@ -46,12 +46,13 @@ class RecordingSink(GrpcKVSink):
         self.sent.append((request_id, layer, start_pos, kv.clone()))
         super().send_layer(request_id, layer, start_pos, kv)
 
-    def _on_chunk(self, message):
+    def _on_frame(self, data):
+        message, payload = parse_frame(data)
         if message.chunk.request_id == self.corrupt_request and message.chunk.layer == 7:
-            payload = bytearray(message.chunk.payload)
-            payload[11] ^= 0x40  # one flipped bit, crc32 left as computed for the original
-            message.chunk.payload = bytes(payload)
-        return super()._on_chunk(message)
+            corrupted = bytearray(data)
+            corrupted[len(data) - payload.nbytes + 11] ^= 0x40  # one flipped payload bit, same crc32
+            data = bytes(corrupted)
+        return super()._on_frame(data)
 
 
 def run_transfer(engines, inbox, sink, prompts, params, tag):
@@ -132,19 +133,23 @@ def test_sender_without_the_secret_is_rejected(engines, server):
 
 def test_wire_format_round_trip_and_validation():
     kv = torch.randn(37, 6, 64).to(torch.bfloat16)
-    messages = list(encode_layer("r", 3, 100, kv, max_chunk_bytes=10 * 6 * 64 * 2))
-    assert [m.chunk.num_tokens for m in messages] == [10, 10, 10, 7]
-    parts = [decode_chunk(m.chunk, torch.bfloat16, (6, 64)) for m in messages]
+    frames = list(encode_layer("r", 3, 100, kv, max_chunk_bytes=10 * 6 * 64 * 2))
+    parsed = [parse_frame(f) for f in frames]
+    assert [m.chunk.num_tokens for m, _ in parsed] == [10, 10, 10, 7]
+    parts = [decode_chunk(m.chunk, payload, torch.bfloat16, (6, 64)) for m, payload in parsed]
     assert [p.start_pos for p in parts] == [100, 110, 120, 130]
     assert torch.equal(torch.cat([p.kv for p in parts]), kv)
+    message, payload = parsed[0]
     with pytest.raises(CorruptChunkError, match="dtype"):
-        decode_chunk(messages[0].chunk, torch.float32, (6, 64))
+        decode_chunk(message.chunk, payload, torch.float32, (6, 64))
     with pytest.raises(CorruptChunkError, match="shape"):
-        decode_chunk(messages[0].chunk, torch.bfloat16, (4, 64))
-    truncated = messages[0].chunk
-    truncated.payload = truncated.payload[:-2]
+        decode_chunk(message.chunk, payload, torch.bfloat16, (4, 64))
     with pytest.raises(CorruptChunkError, match="bytes"):
-        decode_chunk(truncated, torch.bfloat16, (6, 64))
+        decode_chunk(message.chunk, payload[:-2], torch.bfloat16, (6, 64))
+    with pytest.raises(CorruptChunkError, match="length"):
+        parse_frame(b"\xff\xff\x00\x00" + frames[0][4:])
+    with pytest.raises(CorruptChunkError):
+        parse_frame(b"\x01")
 
 
 def test_first_layer_arrives_before_prefill_finishes(engines, server):

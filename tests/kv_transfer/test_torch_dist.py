@@ -12,6 +12,7 @@ from engine import SamplingParams
 from engine.remote_kv import KVExport, prefill_side_params
 from kv_transfer.inbox import EngineInbox
 from kv_transfer.torch_dist import TorchDistKVReceiver, TorchDistKVSink
+from kv_transfer.wire import parse_frame
 from tests.conftest import make_engine_pair
 
 SECRET = "gloo-test-secret"
@@ -39,11 +40,13 @@ class RecordingSink(TorchDistKVSink):
         self.sent.append((request_id, layer, start_pos, kv.clone()))
         super().send_layer(request_id, layer, start_pos, kv)
 
-    def _payload_tensor(self, message, payload):
-        data = super()._payload_tensor(message, payload)
+    def _frame_tensor(self, data):
+        message, _ = parse_frame(data)
         if message.chunk.request_id == self.corrupt_request and message.chunk.layer == 3:
-            data[5] ^= 1
-        return data
+            corrupted = bytearray(data)
+            corrupted[-5] ^= 1  # a payload bit; the header's crc32 is the original's
+            data = bytes(corrupted)
+        return super()._frame_tensor(data)
 
 
 def reserve(decode, prompts, params, tag):
