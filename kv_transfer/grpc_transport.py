@@ -110,7 +110,7 @@ def start_kv_server(servicer: KVTransferServicer, host: str = "127.0.0.1", port:
 
 class GrpcKVSink(KVSink):
     """Prefill side: one Push stream to one decode worker. The engine thread only queues
-    tensors; a sender thread encodes (bytes + crc32) and streams them, so layer i travels
+    tensors; a sender thread frames (header + checksum + bytes) and streams them, so layer i travels
     while layer i+1 computes. ``finish()`` ends the stream and returns the receiver's reply."""
 
     def __init__(self, target: str, secret: str, timeout_s: float = 60.0, max_chunk_bytes: int = MAX_CHUNK_BYTES):

@@ -5,7 +5,7 @@ Each sender/receiver pair gets its own two-rank process group, created when the 
 talks (the receiver hosts the rendezvous store on a free port and tells the sender where),
 and torn down when the stream ends or fails. Frames are length-prefixed: the first carries the
 cluster secret (compared in constant time; a wrong one ends the pair before any KV is read),
-then one wire.py frame per message (protobuf header with crc32, then the raw tensor bytes),
+then one wire.py frame per message (protobuf header with an xxh3 checksum, then the raw tensor bytes),
 received into a byte tensor and checked before the engine sees it.
 """
 

@@ -50,7 +50,7 @@ class RecordingSink(GrpcKVSink):
         message, payload = parse_frame(data)
         if message.chunk.request_id == self.corrupt_request and message.chunk.layer == 7:
             corrupted = bytearray(data)
-            corrupted[len(data) - payload.nbytes + 11] ^= 0x40  # one flipped payload bit, same crc32
+            corrupted[len(data) - payload.nbytes + 11] ^= 0x40  # one flipped payload bit, same checksum
             data = bytes(corrupted)
         return super()._on_frame(data)
 

@@ -44,7 +44,7 @@ class RecordingSink(TorchDistKVSink):
         message, _ = parse_frame(data)
         if message.chunk.request_id == self.corrupt_request and message.chunk.layer == 3:
             corrupted = bytearray(data)
-            corrupted[-5] ^= 1  # a payload bit; the header's crc32 is the original's
+            corrupted[-5] ^= 1  # a payload bit; the header's checksum is the original's
             data = bytes(corrupted)
         return super()._frame_tensor(data)
 
