@@ -4,7 +4,6 @@ of a prompt's transfer hides behind its prefill (layer-wise sends vs send-after-
 
 from __future__ import annotations
 
-import threading
 import time
 from concurrent import futures
 from dataclasses import dataclass, field
