@@ -11,6 +11,7 @@ from engine.remote_kv import KVExport, prefill_side_params
 from kv_transfer.grpc_transport import GrpcKVSink, KVTransferServicer, start_kv_server
 from kv_transfer.inbox import EngineInbox
 from kv_transfer.wire import CorruptChunkError, decode_chunk, encode_layer, parse_frame
+from tests.kv_transfer.helpers import assert_landed_equals_sent
 from tests.conftest import make_engine_pair
 
 SECRET = "test-cluster-secret"
@@ -90,10 +91,7 @@ def test_grpc_transfer_is_bit_exact_and_decodes_like_colocated(engines, server, 
     assert sink.error is None and dict(reply.rejected) == {}
     assert reply.bytes_received == sink.bytes_sent == sum(kv.numel() * 4 for *_, kv in sink.sent)
     assert reply.chunks_received > len(sink.sent)  # layers really were split into chunks
-    for request_id, layer, start, kv in sink.sent:  # what landed is what was computed
-        table = decode.kv_manager.block_table(request_id)
-        landed = decode.kv_cache.read_slots(layer, decode.kv_cache.slots_for(table, start, start + len(kv)))
-        assert torch.equal(landed, kv)
+    assert_landed_equals_sent(decode, sink.sent)  # what landed is what was computed
     tokens = finish_decoding(decode, drained)
     assert decode.runner.num_tokens_processed - processed_before == len(PROMPTS) * (8 - 1)  # no local prefill
     reference = llm.generate([{"prompt_token_ids": ids[f"g{i}"]} for i in range(len(PROMPTS))], params)

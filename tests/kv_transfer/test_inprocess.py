@@ -11,6 +11,7 @@ from engine import SamplingParams
 from engine.remote_kv import KVExport, prefill_side_params
 from engine.scheduler_types import SampledToken
 from kv_transfer.inprocess import InProcessKVSink
+from tests.kv_transfer.helpers import assert_landed_equals_sent
 from tests.conftest import make_engine_pair
 from tests.reference import EqualityStats, assert_same_as_engine_reference
 
@@ -93,10 +94,7 @@ def test_kv_received_equals_kv_sent_bit_for_bit(pair):
     prefill.step()
     layers_seen = sorted({layer for _, layer, _, _ in sink.sent})
     assert layers_seen == list(range(decode.config.model.arch.num_hidden_layers))
-    table = decode.kv_manager.block_table("bits")
-    for _, layer, start, kv in sink.sent:
-        landed = decode.kv_cache.read_slots(layer, decode.kv_cache.slots_for(table, start, start + len(kv)))
-        assert torch.equal(landed, kv)
+    assert_landed_equals_sent(decode, sink.sent, "bits")
     while decode.has_unfinished_requests():
         decode.step()
 

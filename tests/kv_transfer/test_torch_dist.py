@@ -13,6 +13,7 @@ from engine.remote_kv import KVExport, prefill_side_params
 from kv_transfer.inbox import EngineInbox
 from kv_transfer.torch_dist import TorchDistKVReceiver, TorchDistKVSink
 from kv_transfer.wire import parse_frame
+from tests.kv_transfer.helpers import assert_landed_equals_sent
 from tests.conftest import make_engine_pair
 
 SECRET = "gloo-test-secret"
@@ -101,11 +102,7 @@ def test_gloo_landed_kv_equals_sent_and_corruption_is_refused(engines):
     assert "checksum" in stats.rejected["k1"] and "k0" not in stats.rejected
     drained = inbox.drain_into(decode)
     assert "k1" in drained.fallbacks and [o.request_id for o in drained.outputs] == ["k0"]
-    table = decode.kv_manager.block_table("k0")
-    for request_id, layer, start, kv in sink.sent:
-        if request_id == "k0":
-            landed = decode.kv_cache.read_slots(layer, decode.kv_cache.slots_for(table, start, start + len(kv)))
-            assert torch.equal(landed, kv)
+    assert_landed_equals_sent(decode, sink.sent, "k0")
     while decode.has_unfinished_requests():
         decode.step()
 
