@@ -25,7 +25,7 @@ fetch: $(STAMP)
 
 serve: $(STAMP)
 	$(VENV)/bin/tandem generate --model $(MODEL) --max-tokens 64 \
-		"Write one sentence about the sea." "What is the capital of France?"
+		"Write one sentence about the sea." "Which city is the capital of France?"
 
 test: $(STAMP)
 	$(VENV)/bin/tandem models fetch $(MODEL)

@@ -1,4 +1,6 @@
 // Skinny bfloat16 matmul for decode: y[B, N] = x[B, K] . W[N, K]^T (+ bias), B small.
+// y is bfloat16, or float32 when asked (logits: bfloat16 output would round them to steps of
+// 0.125 near 20 and turn real margins into ties).
 //
 // Decode reads every weight once per step, so the kernel's job is to stream W at memory
 // speed: each thread takes a range of rows, loads 32 bf16 weights at a time and multiplies
@@ -14,9 +16,9 @@ constexpr int64_t kMaxBatch = 8;
 
 // R rows at a time: each x vector load serves R rows and R*B accumulators keep the
 // loads of several weight rows in flight.
-template <int B, int R>
+template <int B, int R, typename out_t>
 void rows_block(const at::BFloat16* x, const at::BFloat16* w, const at::BFloat16* bias,
-                at::BFloat16* y, int64_t K, int64_t N, int64_t n0) {
+                out_t* y, int64_t K, int64_t N, int64_t n0) {
   const int64_t k_vec = K / 32 * 32;
   __m512 acc[R][B];
   for (int r = 0; r < R; ++r)
@@ -38,32 +40,47 @@ void rows_block(const at::BFloat16* x, const at::BFloat16* w, const at::BFloat16
       float sum = _mm512_reduce_add_ps(acc[r][b]);
       for (int64_t k = k_vec; k < K; ++k) sum += static_cast<float>(w_row[k]) * static_cast<float>(x[b * K + k]);
       if (bias != nullptr) sum += static_cast<float>(bias[n0 + r]);
-      y[b * N + n0 + r] = static_cast<at::BFloat16>(sum);
+      y[b * N + n0 + r] = static_cast<out_t>(sum);
     }
   }
 }
 
-template <int B>
+template <int B, typename out_t>
 void rows_kernel(const at::BFloat16* x, const at::BFloat16* w, const at::BFloat16* bias,
-                 at::BFloat16* y, int64_t K, int64_t N, int64_t row_begin, int64_t row_end) {
+                 out_t* y, int64_t K, int64_t N, int64_t row_begin, int64_t row_end) {
   constexpr int R = B <= 2 ? 4 : 2;
   int64_t n = row_begin;
-  for (; n + R <= row_end; n += R) rows_block<B, R>(x, w, bias, y, K, N, n);
-  for (; n < row_end; ++n) rows_block<B, 1>(x, w, bias, y, K, N, n);
+  for (; n + R <= row_end; n += R) rows_block<B, R, out_t>(x, w, bias, y, K, N, n);
+  for (; n < row_end; ++n) rows_block<B, 1, out_t>(x, w, bias, y, K, N, n);
 }
 
-template <int B>
-void run(const at::BFloat16* x, const at::BFloat16* w, const at::BFloat16* bias, at::BFloat16* y,
+template <int B, typename out_t>
+void run(const at::BFloat16* x, const at::BFloat16* w, const at::BFloat16* bias, out_t* y,
          int64_t K, int64_t N) {
   // grain: enough rows per task that a thread streams a few hundred KB at a time
   at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
-    rows_kernel<B>(x, w, bias, y, K, N, begin, end);
+    rows_kernel<B, out_t>(x, w, bias, y, K, N, begin, end);
   });
+}
+
+template <typename out_t>
+void dispatch_batch(int64_t B, const at::BFloat16* xp, const at::BFloat16* wp, const at::BFloat16* bias,
+                    out_t* yp, int64_t K, int64_t N) {
+  switch (B) {
+    case 1: run<1, out_t>(xp, wp, bias, yp, K, N); break;
+    case 2: run<2, out_t>(xp, wp, bias, yp, K, N); break;
+    case 3: run<3, out_t>(xp, wp, bias, yp, K, N); break;
+    case 4: run<4, out_t>(xp, wp, bias, yp, K, N); break;
+    case 5: run<5, out_t>(xp, wp, bias, yp, K, N); break;
+    case 6: run<6, out_t>(xp, wp, bias, yp, K, N); break;
+    case 7: run<7, out_t>(xp, wp, bias, yp, K, N); break;
+    default: run<8, out_t>(xp, wp, bias, yp, K, N); break;
+  }
 }
 
 }  // namespace
 
-torch::Tensor gemv_bf16(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias) {
+torch::Tensor gemv_bf16(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias, bool float_out) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2, "gemv_bf16: x [B, K] and w [N, K]");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16, "gemv_bf16: bfloat16 only");
   TORCH_CHECK(x.size(1) == w.size(1), "gemv_bf16: K mismatch ", x.size(1), " vs ", w.size(1));
@@ -76,23 +93,19 @@ torch::Tensor gemv_bf16(torch::Tensor x, torch::Tensor w, c10::optional<torch::T
     bias_ptr = bias->data_ptr<at::BFloat16>();
   }
   const int64_t B = x.size(0), K = x.size(1), N = w.size(0);
-  auto y = torch::empty({B, N}, x.options());
   auto* xp = x.data_ptr<at::BFloat16>();
   auto* wp = w.data_ptr<at::BFloat16>();
-  auto* yp = y.data_ptr<at::BFloat16>();
-  switch (B) {
-    case 1: run<1>(xp, wp, bias_ptr, yp, K, N); break;
-    case 2: run<2>(xp, wp, bias_ptr, yp, K, N); break;
-    case 3: run<3>(xp, wp, bias_ptr, yp, K, N); break;
-    case 4: run<4>(xp, wp, bias_ptr, yp, K, N); break;
-    case 5: run<5>(xp, wp, bias_ptr, yp, K, N); break;
-    case 6: run<6>(xp, wp, bias_ptr, yp, K, N); break;
-    case 7: run<7>(xp, wp, bias_ptr, yp, K, N); break;
-    default: run<8>(xp, wp, bias_ptr, yp, K, N); break;
+  if (float_out) {
+    auto y = torch::empty({B, N}, x.options().dtype(at::kFloat));
+    dispatch_batch<float>(B, xp, wp, bias_ptr, y.data_ptr<float>(), K, N);
+    return y;
   }
+  auto y = torch::empty({B, N}, x.options());
+  dispatch_batch<at::BFloat16>(B, xp, wp, bias_ptr, y.data_ptr<at::BFloat16>(), K, N);
   return y;
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("gemv_bf16", &gemv_bf16, "skinny bfloat16 matmul (AVX-512 BF16)");
+  m.def("gemv_bf16", &gemv_bf16, "skinny bfloat16 matmul (AVX-512 BF16)", py::arg("x"), py::arg("w"),
+        py::arg("bias"), py::arg("float_out") = false);
 }

@@ -50,6 +50,13 @@ class Linear(nn.Module):
         weight = self._packed if self._packed is not None else self.weight
         return self.in_features * self.out_features * weight.element_size()
 
+    def forward_float32(self, x: torch.Tensor) -> torch.Tensor:  # [n, in] -> [n, out] float32
+        """The same product with a float32 result. The native kernel accumulates in float32
+        and can skip the rounding to bfloat16 (logits keep their real margins)."""
+        if self._gemv is not None and x.shape[0] <= cpu_gemv.MAX_BATCH:
+            return self._gemv.gemv_bf16(x.contiguous(), self.weight, self.bias, True)
+        return self(x).float()
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [n, in] -> [n, out]
         if self._gemv is not None and x.shape[0] <= cpu_gemv.MAX_BATCH:
             return self._gemv.gemv_bf16(x.contiguous(), self.weight, self.bias)

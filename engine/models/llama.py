@@ -174,7 +174,7 @@ class CausalLM(nn.Module):
         return normed
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, vocab] f32
-        return self.lm_head(hidden).float()
+        return self.lm_head.forward_float32(hidden)
 
     def pack_weights(self) -> None:
         """Prepare every matmul weight for the fastest CPU kernel of its dtype."""

@@ -33,6 +33,9 @@ def test_gemv_bf16_matches_float32_reference(batch, in_features, out_features, w
     assert got.dtype == torch.bfloat16 and got.shape == (batch, out_features)
     # the only rounding beyond float32 accumulation is the bfloat16 output (8-bit mantissa)
     torch.testing.assert_close(got.float(), ref, rtol=2**-7, atol=1e-2)
+    as_float = module.gemv_bf16(x, w, b, True)  # float32 out: only summation order differs
+    assert as_float.dtype == torch.float32
+    torch.testing.assert_close(as_float, ref, rtol=1e-5, atol=1e-4)
 
 
 def test_gemv_bf16_rejects_bad_shapes():
