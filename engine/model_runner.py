@@ -7,16 +7,10 @@ from collections.abc import Callable
 import torch
 
 from engine.attention.backend import AttentionBackend, BatchLayout
-from engine.kv_cache.kv_cache import KVCache
+from engine.kv_cache.kv_cache import KVCache, slot_indices
 from engine.models.llama import CausalLM
 from engine.sampler import Sampler, gather_logprobs
 from engine.scheduler_types import RunnerOutput, ScheduledSeq, SchedulerOutput, TokenLogprobs
-
-
-def _slots(block_ids: list[int], start: int, end: int, block_size: int) -> torch.Tensor:
-    positions = torch.arange(start, end)
-    blocks = torch.tensor(block_ids, dtype=torch.int64)[positions // block_size]
-    return blocks * block_size + positions % block_size  # [end - start]
 
 
 class ModelRunner:
@@ -44,7 +38,7 @@ class ModelRunner:
             end = seq.start_pos + len(seq.token_ids)
             input_ids.extend(seq.token_ids)
             positions.append(torch.arange(seq.start_pos, end))
-            slot_mapping.append(_slots(seq.block_ids, seq.start_pos, end, bs))
+            slot_mapping.append(slot_indices(seq.block_ids, seq.start_pos, end, bs))
         layout = BatchLayout(
             query_lens=[len(s.token_ids) for s in seqs],
             seq_lens=[s.start_pos + len(s.token_ids) for s in seqs],
@@ -64,13 +58,15 @@ class ModelRunner:
 
     def _export_hook(self, seqs: list[ScheduledSeq]) -> Callable[[int], None] | None:
         """After each layer, hand the exported positions' fresh KV to ``on_layer_kv``."""
+        if self.on_layer_kv is None:
+            return None
         exports = []
         for seq in seqs:
             end = seq.start_pos + len(seq.token_ids)
             if seq.export_from is not None and end > seq.export_from:
                 first = max(seq.start_pos, seq.export_from)
                 exports.append((seq.request_id, first, self.kv_cache.slots_for(seq.block_ids, first, end)))
-        if not exports or self.on_layer_kv is None:
+        if not exports:
             return None
 
         def layer_done(layer: int) -> None:

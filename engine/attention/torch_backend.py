@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention.backend import AttentionBackend, BatchLayout
+from engine.kv_cache.kv_cache import slot_indices
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,17 +27,9 @@ class TorchAttentionMetadata:
     num_decodes: int
     decode_block_tables: torch.Tensor  # [num_decodes, max_blocks] int64, padded with 0
     decode_seq_lens: torch.Tensor  # [num_decodes] int64
-    decode_block_ids: torch.Tensor  # [num_decodes * max_blocks] int64, padded with block 0
     decode_padding: torch.Tensor  # [num_decodes, max_blocks * block_size, 1, 1] bool, True = not context
     decode_mask: torch.Tensor  # [num_decodes, 1, 1, max_blocks * block_size] additive: 0 or -inf
     prefills: tuple[PrefillSeq, ...]
-
-
-def _context_slots(block_table: list[int], seq_len: int, block_size: int) -> torch.Tensor:
-    # position p lives at slot block_table[p // block_size] * block_size + p % block_size
-    positions = torch.arange(seq_len)
-    blocks = torch.tensor(block_table, dtype=torch.int64)[positions // block_size]
-    return blocks * block_size + positions % block_size
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -75,7 +68,7 @@ class TorchAttentionBackend(AttentionBackend):
                 q_pos = torch.arange(seq_len - q_len, seq_len).unsqueeze(1)
                 mask = torch.arange(seq_len).unsqueeze(0) <= q_pos
             prefills.append(
-                PrefillSeq(start, q_len, _context_slots(layout.block_tables[i], seq_len, bs), mask)
+                PrefillSeq(start, q_len, slot_indices(layout.block_tables[i], 0, seq_len, bs), mask)
             )
             start += q_len
         return TorchAttentionMetadata(
@@ -83,7 +76,6 @@ class TorchAttentionBackend(AttentionBackend):
             num_decodes=n_dec,
             decode_block_tables=block_ids,
             decode_seq_lens=seq_lens,
-            decode_block_ids=block_ids.view(-1),
             decode_padding=(~attend).view(n_dec, gathered, 1, 1),
             decode_mask=torch.zeros(attend.shape, dtype=self.dtype)
             .masked_fill_(~attend, float("-inf"))
@@ -128,7 +120,7 @@ class TorchAttentionBackend(AttentionBackend):
             )
         num_kv_heads = kv_cache.shape[2] // 2
         # whole blocks: [n, max_blocks * block_size, 2 * kv_heads, head_dim]
-        blocks = kv_cache.index_select(0, meta.decode_block_ids).view(n, -1, 2 * num_kv_heads, head_dim)
+        blocks = kv_cache.index_select(0, meta.decode_block_tables.view(-1)).view(n, -1, 2 * num_kv_heads, head_dim)
         # slots past a sequence's end hold anything (NaN too): zero them, then mask them
         blocks.masked_fill_(meta.decode_padding, 0.0)
         context = blocks.transpose(1, 2)  # [n, 2 * kv_heads, len, head_dim]

@@ -18,6 +18,17 @@ def num_blocks_for(arch: ModelArchConfig, cache: CacheConfig, dtype: torch.dtype
     return max(1, cache.kv_cache_memory_bytes // bytes_per_block(arch, cache.block_size, dtype))
 
 
+def slot_indices(block_table: list[int], start_pos: int, end_pos: int, block_size: int) -> torch.Tensor:
+    """Flat cache slots of positions [start_pos, end_pos) through a block table.
+
+    position p lives at slot block_table[p // block_size] * block_size + p % block_size
+    -> [end_pos - start_pos] int64
+    """
+    positions = torch.arange(start_pos, end_pos)
+    blocks = torch.tensor(block_table, dtype=torch.int64)[positions // block_size]
+    return blocks * block_size + positions % block_size
+
+
 class KVCache:
     """Holds ``layers[i]``: one tensor [num_blocks, block_size, 2 * num_kv_heads, head_dim]
     per layer, keys in heads [0, num_kv_heads) and values in the rest, so that one index op
@@ -27,7 +38,6 @@ class KVCache:
         shape = (num_blocks, block_size, 2 * arch.num_key_value_heads, arch.head_dim)
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.num_kv_heads = arch.num_key_value_heads
         self.layers = [torch.zeros(shape, dtype=dtype) for _ in range(arch.num_hidden_layers)]
 
     def fill_blocks(self, block_ids: list[int], value: float) -> None:
@@ -37,10 +47,7 @@ class KVCache:
             layer[index] = value
 
     def slots_for(self, block_table: list[int], start_pos: int, end_pos: int) -> torch.Tensor:
-        """Flat slots of positions [start_pos, end_pos) through a block table. [end - start]"""
-        positions = torch.arange(start_pos, end_pos)
-        blocks = torch.tensor(block_table, dtype=torch.int64)[positions // self.block_size]
-        return blocks * self.block_size + positions % self.block_size
+        return slot_indices(block_table, start_pos, end_pos, self.block_size)
 
     def read_slots(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
         """A copy of the K/V at ``slots``: [len(slots), 2 * kv_heads, head_dim]."""
