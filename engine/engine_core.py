@@ -22,7 +22,7 @@ from engine.kv_cache.manager import KVCacheManager
 from engine.model_info import ModelInfo
 from engine.model_runner import ModelRunner
 from engine.models.loader import load_model
-from engine.models.ops import NativeOps, select_ops
+from engine.models.ops import select_ops
 from engine.outputs import Logprob, PositionLogprobs
 from engine.remote_kv import KVExport, KVExporter, KVImporter
 from engine.request import Request, RequestStatus
@@ -68,7 +68,7 @@ class EngineCore:
         )
         self.kv_cache = KVCache(model_cfg.arch, num_blocks, config.cache.block_size, model_cfg.dtype)
         ops = select_ops(torch.device("cpu"))
-        backend = TorchAttentionBackend(model_cfg.dtype, ops.kernels if isinstance(ops, NativeOps) else None)
+        backend = TorchAttentionBackend(model_cfg.dtype, ops.kernels)
         self.model = load_model(model_cfg, backend, ops)
         self.runner = ModelRunner(self.model, self.kv_cache, backend)
         self.scheduler = Scheduler(config.scheduler, self.kv_manager, model_cfg.max_model_len)
@@ -178,10 +178,10 @@ class EngineCore:
                 self.kv_exporter.close(seq.request_id, "error")
             raise
         updates = self.scheduler.update_from_output(scheduled, runner_output)
-        for update in updates:
-            if update.new_token_ids and update.request.kv_export_from is not None:
-                if len(update.request.output_token_ids) == 1:
-                    self.kv_exporter.first_token(update.request.request_id, runner_output.sampled[update.request.request_id])
+        for update in updates:  # prefill role: the prompt is done, its first token goes along
+            request = update.request
+            if request.kv_export_from is not None and update.new_token_ids and len(request.output_token_ids) == 1:
+                self.kv_exporter.first_token(request.request_id, runner_output.sampled[request.request_id])
         outputs = [self._process(update) for update in updates]
         for output in outputs:
             if output.finish_reason is not None:

@@ -102,10 +102,11 @@ class KVImporter:
         expected = (kv.shape[0], *cache.shape[2:])
         if kv.dim() != 3 or tuple(kv.shape) != expected or kv.dtype != cache.dtype:
             raise ValueError(f"KV {tuple(kv.shape)} {kv.dtype} does not match {expected} {cache.dtype}")
-        state.record(layer, start_pos, kv.shape[0], kv.numel() * kv.element_size())
+        num_bytes = kv.numel() * kv.element_size()
+        state.record(layer, start_pos, kv.shape[0], num_bytes)
         slots = self._kv_cache.slots_for(self._kv_manager.block_table(request_id), start_pos, start_pos + kv.shape[0])
         self._kv_cache.write_slots(layer, slots, kv)
-        self.num_bytes_received += kv.numel() * kv.element_size()
+        self.num_bytes_received += num_bytes
 
     def take_complete(self, request_id: str) -> RemoteKVState:
         """The finished state (removed); raises ValueError if anything is missing."""

@@ -14,7 +14,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine import envs
 from engine.kernels import cpu_gemv
 
 
@@ -40,7 +39,7 @@ class Linear(nn.Module):
         if self._packed is not None or not can_pack(self.weight.dtype, self.weight.device):
             return
         self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 1)
-        self._gemv = None if envs.native_kernels_disabled() else cpu_gemv.load()
+        self._gemv = cpu_gemv.load()
         if self._gemv is None:  # the plain copy is only needed by the native kernel
             self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype), requires_grad=False)
 
@@ -50,15 +49,18 @@ class Linear(nn.Module):
         weight = self._packed if self._packed is not None else self.weight
         return self.in_features * self.out_features * weight.element_size()
 
+    def _native(self, x: torch.Tensor) -> bool:
+        return self._gemv is not None and x.shape[0] <= cpu_gemv.MAX_BATCH
+
     def forward_float32(self, x: torch.Tensor) -> torch.Tensor:  # [n, in] -> [n, out] float32
         """The same product with a float32 result. The native kernel accumulates in float32
         and can skip the rounding to bfloat16 (logits keep their real margins)."""
-        if self._gemv is not None and x.shape[0] <= cpu_gemv.MAX_BATCH:
+        if self._native(x):
             return self._gemv.gemv_bf16(x.contiguous(), self.weight, self.bias, True)
         return self(x).float()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [n, in] -> [n, out]
-        if self._gemv is not None and x.shape[0] <= cpu_gemv.MAX_BATCH:
+        if self._native(x):
             return self._gemv.gemv_bf16(x.contiguous(), self.weight, self.bias)
         if self._packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")

@@ -7,13 +7,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engine import envs
-
 
 class TorchOps:
     """Reference implementations with torch ops."""
 
     name = "torch"
+    kernels = None  # no native module behind these
 
     def add_rms_norm_(self, residual, delta, weight, eps: float) -> torch.Tensor:
         """residual += delta (if given), in place; returns rms_norm(residual) * weight."""
@@ -45,25 +44,24 @@ class NativeOps:
 
     def __init__(self, module) -> None:
         self.kernels = module  # the compiled cpu_ops module (the attention backend uses it too)
-        self._ops = module
 
     def add_rms_norm_(self, residual, delta, weight, eps: float) -> torch.Tensor:
-        return self._ops.add_rms_norm_(residual, delta, weight, eps)
+        return self.kernels.add_rms_norm_(residual, delta, weight, eps)
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        return self._ops.silu_mul(gate_up)
+        return self.kernels.silu_mul(gate_up)
 
     def rope_state(self, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         return positions, cos, sin
 
     def rope_(self, x: torch.Tensor, state) -> None:
         positions, cos, sin = state
-        self._ops.rope_(x, positions, cos, sin, x.shape[1])
+        self.kernels.rope_(x, positions, cos, sin, x.shape[1])
 
 
 def select_ops(device: torch.device):
     """Native ops on the CPU when they build here (and are not disabled), else torch."""
-    if device.type == "cpu" and not envs.native_kernels_disabled():
+    if device.type == "cpu":
         from engine.kernels import cpu_ops
 
         module = cpu_ops.load()
