@@ -34,8 +34,9 @@ def _read_weights(model_dir: Path) -> dict[str, torch.Tensor]:
 
 
 def _to_model_names(weights: dict[str, torch.Tensor], arch) -> dict[str, torch.Tensor]:
-    """HF parameter names and layout -> ours: Q/K rows interleaved for in-place complex RoPE,
-    q/k/v and gate/up concatenated, a tied lm_head materialised."""
+    """HF parameter names and layout -> ours: Q/K rows interleaved for in-place RoPE, q/k/v
+    and gate/up concatenated (FUSED_PARAMS), a tied lm_head materialised."""
+    weights = {n: t for n, t in weights.items() if not n.endswith("rotary_emb.inv_freq")}
     if arch.tie_word_embeddings or "lm_head.weight" not in weights:
         weights["lm_head.weight"] = weights["model.embed_tokens.weight"]
     for name in list(weights):
@@ -43,22 +44,13 @@ def _to_model_names(weights: dict[str, torch.Tensor], arch) -> dict[str, torch.T
             weights[name] = interleave_rope_rows(weights[name], arch.num_attention_heads)
         elif ".self_attn.k_proj." in name:
             weights[name] = interleave_rope_rows(weights[name], arch.num_key_value_heads)
-    renamed = {}
-    consumed = set()
-    for name in weights:
+    for layer in range(arch.num_hidden_layers):
         for fused, parts in FUSED_PARAMS.items():
             for suffix in ("weight", "bias"):
-                first = f".{parts[0]}.{suffix}"
-                if name.endswith(first):
-                    prefix = name[: -len(first)]
-                    names = [f"{prefix}.{part}.{suffix}" for part in parts]
-                    if all(n in weights for n in names):
-                        renamed[f"{prefix}.{fused}.{suffix}"] = torch.cat([weights[n] for n in names])
-                        consumed.update(names)
-    for name, tensor in weights.items():
-        if name not in consumed and not name.endswith("rotary_emb.inv_freq"):
-            renamed[name] = tensor
-    return renamed
+                names = [f"model.layers.{layer}.{part}.{suffix}" for part in parts]
+                if all(n in weights for n in names):
+                    weights[f"model.layers.{layer}.{fused}.{suffix}"] = torch.cat([weights.pop(n) for n in names])
+    return weights
 
 
 def load_model(config: ModelConfig, backend: AttentionBackend, ops=None) -> CausalLM:
