@@ -26,9 +26,6 @@ class CompletionOutput:
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" | None (running)
     stop_reason: int | str | None = None  # the stop string or stop token id that ended it
 
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
 
 @dataclass(slots=True)
 class RequestOutput:

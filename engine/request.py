@@ -85,10 +85,6 @@ class Request:
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
-    def token_at(self, position: int) -> int:
-        n_prompt = len(self.prompt_token_ids)
-        return self.prompt_token_ids[position] if position < n_prompt else self.output_token_ids[position - n_prompt]
-
     def token_slice(self, start: int, end: int) -> list[int]:
         n_prompt = len(self.prompt_token_ids)
         if end <= n_prompt:

@@ -262,7 +262,3 @@ class Scheduler:
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
-
-    @property
-    def num_waiting(self) -> int:
-        return len(self.waiting) + len(self.waiting_for_remote_kv)

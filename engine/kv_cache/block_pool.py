@@ -51,10 +51,6 @@ class BlockPool:
     def num_cached_blocks(self) -> int:
         return len(self._cached)
 
-    def usage(self) -> float:
-        """Fraction of blocks held by requests, 0.0 .. 1.0."""
-        return 1.0 - len(self._free) / self.num_blocks
-
     def add_discard_listener(self, listener: Listener) -> None:
         self._discard_listeners.append(listener)
 
@@ -121,15 +117,6 @@ class BlockPool:
 
     def ref_count(self, block_id: int) -> int:
         return self._ref_cnt[block_id]
-
-    def reset_prefix_cache(self) -> int:
-        """Forget every cached digest of a free block; returns how many were dropped."""
-        dropped = [b for b in self._free if self._hash_of[b] is not None]
-        for block_id in dropped:
-            del self._cached[self._hash_of[block_id]]
-            self._hash_of[block_id] = None
-        self._discarded(dropped)
-        return len(dropped)
 
     def check_integrity(self) -> None:
         for block_id in self._free:

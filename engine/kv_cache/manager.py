@@ -120,10 +120,6 @@ class KVCacheManager:
             # tail first: the LRU then evicts a sequence's last blocks before its prefix
             self.pool.free(list(reversed(table)))
 
-    @property
-    def num_requests(self) -> int:
-        return len(self._tables)
-
     def check_integrity(self) -> None:
         self.pool.check_integrity()
         held: dict[int, int] = {}
