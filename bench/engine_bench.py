@@ -102,9 +102,9 @@ class _EngineRunner:
 
         max_len = max(cfg.prompt_len, cfg.decode_prompt_len) + cfg.decode_tokens + 16
         self.llm = LLM(model=cfg.model, dtype=dtype, num_threads=cfg.threads, max_model_len=max_len,
-                       max_num_seqs=max(cfg.batch_sizes), max_num_batched_tokens=max(cfg.prompt_len, 2048))
+                       max_num_seqs=max(cfg.batch_sizes), max_num_batched_tokens=max(cfg.prompt_len, 2048),
+                       enable_prefix_caching=False)  # measure computing, not cache hits
         self.core = self.llm.engine_core
-        self.core.kv_manager.enable_prefix_caching = False  # measure computing, not cache hits
         self.cfg = cfg
         self._ids = 0
 

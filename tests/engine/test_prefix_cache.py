@@ -24,9 +24,8 @@ def uncached(smollm_dir):
     """The same model with prefix caching off: the reference for cached runs."""
     from engine import LLM
 
-    llm = LLM(model=str(smollm_dir), dtype="float32", num_kv_blocks=256, max_model_len=1024)
-    llm.engine_core.kv_manager.enable_prefix_caching = False
-    return llm
+    return LLM(model=str(smollm_dir), dtype="float32", num_kv_blocks=256, max_model_len=1024,
+               enable_prefix_caching=False)
 
 
 def test_digest_is_deterministic_across_processes():
