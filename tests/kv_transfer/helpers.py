@@ -18,3 +18,29 @@ def assert_landed_equals_sent(decode, sent, request_id: str | None = None) -> in
         checked += 1
     assert checked, "no KV was recorded as sent"
     return checked
+
+
+class RecordsSent:
+    """Mixin for a KVSink under test: keeps a copy of every layer it is asked to send, and
+    names a request whose frames ``corrupt`` will damage (see ``corrupt_payload_bit``)."""
+
+    def __init__(self, *args, corrupt_request: str | None = None, **kwargs):
+        self.sent: list[tuple[str, int, int, torch.Tensor]] = []
+        self.corrupt_request = corrupt_request
+        super().__init__(*args, **kwargs)
+
+    def send_layer(self, request_id, layer, start_pos, kv):
+        self.sent.append((request_id, layer, start_pos, kv.clone()))
+        super().send_layer(request_id, layer, start_pos, kv)
+
+    def corrupt(self, data: bytes, layer: int) -> bytes:
+        """Flip one payload bit of the corrupt request's frame for ``layer``; the header's
+        checksum stays the one computed for the original bytes."""
+        from kv_transfer.wire import parse_frame
+
+        message, payload = parse_frame(data)
+        if message.chunk.request_id != self.corrupt_request or message.chunk.layer != layer:
+            return data
+        damaged = bytearray(data)
+        damaged[len(data) - payload.nbytes + 11] ^= 0x40
+        return bytes(damaged)

@@ -11,7 +11,7 @@ from engine.remote_kv import KVExport, prefill_side_params
 from kv_transfer.grpc_transport import GrpcKVSink, KVTransferServicer, start_kv_server
 from kv_transfer.inbox import EngineInbox
 from kv_transfer.wire import CorruptChunkError, decode_chunk, encode_layer, parse_frame
-from tests.kv_transfer.helpers import assert_landed_equals_sent
+from tests.kv_transfer.helpers import RecordsSent, assert_landed_equals_sent
 from tests.conftest import make_engine_pair
 
 SECRET = "test-cluster-secret"
@@ -37,23 +37,9 @@ def server(engines):
     grpc_server.stop(grace=None)
 
 
-class RecordingSink(GrpcKVSink):
-    def __init__(self, *args, corrupt_request=None, **kwargs):
-        self.sent: list[tuple[str, int, int, torch.Tensor]] = []
-        self.corrupt_request = corrupt_request
-        super().__init__(*args, **kwargs)
-
-    def send_layer(self, request_id, layer, start_pos, kv):
-        self.sent.append((request_id, layer, start_pos, kv.clone()))
-        super().send_layer(request_id, layer, start_pos, kv)
-
+class RecordingSink(RecordsSent, GrpcKVSink):
     def _on_frame(self, data):
-        message, payload = parse_frame(data)
-        if message.chunk.request_id == self.corrupt_request and message.chunk.layer == 7:
-            corrupted = bytearray(data)
-            corrupted[len(data) - payload.nbytes + 11] ^= 0x40  # one flipped payload bit, same checksum
-            data = bytes(corrupted)
-        return super()._on_frame(data)
+        return super()._on_frame(self.corrupt(data, layer=7))
 
 
 def run_transfer(engines, inbox, sink, prompts, params, tag):

@@ -11,7 +11,7 @@ from engine import SamplingParams
 from engine.remote_kv import KVExport, prefill_side_params
 from engine.scheduler_types import SampledToken
 from kv_transfer.inprocess import InProcessKVSink
-from tests.kv_transfer.helpers import assert_landed_equals_sent
+from tests.kv_transfer.helpers import RecordsSent, assert_landed_equals_sent
 from tests.conftest import make_engine_pair
 from tests.reference import EqualityStats, assert_same_as_engine_reference
 
@@ -28,16 +28,8 @@ def pair(smollm_dir):
     return make_engine_pair(smollm_dir)
 
 
-class _Recorder(InProcessKVSink):
+class _Recorder(RecordsSent, InProcessKVSink):
     """Also keeps what was sent, to compare with what landed."""
-
-    def __init__(self, receiver):
-        super().__init__(receiver)
-        self.sent: list[tuple[str, int, int, torch.Tensor]] = []
-
-    def send_layer(self, request_id, layer, start_pos, kv):
-        self.sent.append((request_id, layer, start_pos, kv.clone()))
-        super().send_layer(request_id, layer, start_pos, kv)
 
 
 def disaggregated(prefill, decode, prompts, params, sink=None, tag="r"):

@@ -12,8 +12,7 @@ from engine import SamplingParams
 from engine.remote_kv import KVExport, prefill_side_params
 from kv_transfer.inbox import EngineInbox
 from kv_transfer.torch_dist import TorchDistKVReceiver, TorchDistKVSink
-from kv_transfer.wire import parse_frame
-from tests.kv_transfer.helpers import assert_landed_equals_sent
+from tests.kv_transfer.helpers import RecordsSent, assert_landed_equals_sent
 from tests.conftest import make_engine_pair
 
 SECRET = "gloo-test-secret"
@@ -31,23 +30,9 @@ def receiver_for(decode, secret=SECRET):
     return inbox, TorchDistKVReceiver(inbox, secret, cache.dtype, tuple(cache.shape[2:]), timeout_s=30)
 
 
-class RecordingSink(TorchDistKVSink):
-    def __init__(self, *args, corrupt_request=None, **kwargs):
-        self.sent = []
-        self.corrupt_request = corrupt_request
-        super().__init__(*args, **kwargs)
-
-    def send_layer(self, request_id, layer, start_pos, kv):
-        self.sent.append((request_id, layer, start_pos, kv.clone()))
-        super().send_layer(request_id, layer, start_pos, kv)
-
+class RecordingSink(RecordsSent, TorchDistKVSink):
     def _frame_tensor(self, data):
-        message, _ = parse_frame(data)
-        if message.chunk.request_id == self.corrupt_request and message.chunk.layer == 3:
-            corrupted = bytearray(data)
-            corrupted[-5] ^= 1  # a payload bit; the header's checksum is the original's
-            data = bytes(corrupted)
-        return super()._frame_tensor(data)
+        return super()._frame_tensor(self.corrupt(data, layer=3))
 
 
 def reserve(decode, prompts, params, tag):
