@@ -39,4 +39,4 @@ clean:
 
 # Regenerate the Python code of proto/*.proto (committed; a test fails when it is stale).
 proto: $(STAMP)
-	$(PY) -m grpc_tools.protoc -I . --python_out=. proto/*.proto
+	$(PY) -m grpc_tools.protoc -I . --python_out=. --grpc_python_out=. proto/*.proto

@@ -143,10 +143,10 @@ class _HoldingSink(GrpcKVSink):
     def send_layer(self, *item) -> None:
         self._held.append(item)
 
-    def send_first_token(self, request_id, token) -> None:
+    def send_first_token(self, request_id, token, num_cached_tokens) -> None:
         for item in self._held:
             super().send_layer(*item)
-        super().send_first_token(request_id, token)
+        super().send_first_token(request_id, token, num_cached_tokens)
 
 
 def overlap(model: str, prompt_tokens: int, threads: int) -> OverlapResult:

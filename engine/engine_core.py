@@ -8,6 +8,7 @@ gRPC or Redis; workers drive it.
 from __future__ import annotations
 
 import random
+import time
 from dataclasses import dataclass
 
 import torch
@@ -24,7 +25,7 @@ from engine.model_runner import ModelRunner
 from engine.models.loader import load_model
 from engine.models.ops import select_ops
 from engine.outputs import Logprob, PositionLogprobs
-from engine.remote_kv import KVExport, KVExporter, KVImporter
+from engine.remote_kv import KVExport, KVExporter, KVFailurePolicy, KVImporter
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, TokenUpdate
@@ -43,6 +44,18 @@ class EngineCoreOutput:
     finish_reason: str | None  # "stop" | "length" | "abort" | "error" | None
     stop_reason: int | str | None
     num_cached_tokens: int
+    error: str | None = None  # why the request failed (finish_reason "error")
+    kv_recomputed: bool = False  # its remote KV failed and the prompt was prefilled here
+
+
+@dataclass(slots=True)
+class EngineCounters:
+    """Work done since the engine started (workers report these in Stats)."""
+
+    num_prompt_tokens_computed: int = 0  # prompt positions this engine's model ran
+    num_generation_tokens: int = 0  # tokens emitted (first tokens from remote prefill included)
+    num_kv_recomputed: int = 0  # remote KV failed or expired; the prompt was prefilled here
+    num_kv_failed: int = 0  # remote KV failed or expired under the fail policy
 
 
 class EngineCore:
@@ -76,6 +89,7 @@ class EngineCore:
         self.kv_exporter = KVExporter()
         self.runner.on_layer_kv = self.kv_exporter.on_layer
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self.counters = EngineCounters()
         self._rng = random.Random(config.seed)
 
     # -- requests ----------------------------------------------------------------------------
@@ -120,14 +134,16 @@ class EngineCore:
         )
 
     # -- decode role: the prompt's KV comes from elsewhere ----------------------------------
-    def add_remote_request(self, request: Request, deadline_s: float) -> int | None:
-        """Reserve blocks and wait (at most ``deadline_s``, then prefill locally) for the
-        prompt's KV. Returns the number of leading prompt tokens already cached here (the
-        sender starts there), or None when the blocks are not free now (nothing changed)."""
+    def add_remote_request(
+        self, request: Request, deadline_s: float, policy: KVFailurePolicy = KVFailurePolicy.RECOMPUTE
+    ) -> int | None:
+        """Reserve blocks and wait at most ``deadline_s`` for the prompt's KV (then ``policy``
+        applies). Returns the number of leading prompt tokens already cached here (the sender
+        starts there), or None when the blocks are not free now (nothing changed)."""
         num_cached = self.scheduler.add_remote_kv_request(request, deadline_s)
         if num_cached is None:
             return None
-        self.kv_importer.expect(request.request_id, num_cached, request.num_prompt_tokens)
+        self.kv_importer.expect(request.request_id, num_cached, request.num_prompt_tokens, policy)
         self._new_detokenizer(request)
         return num_cached
 
@@ -135,17 +151,36 @@ class EngineCore:
         """KV of positions [start_pos, start_pos + len(kv)) of one layer (checked, then written)."""
         self.kv_importer.write(request_id, layer, start_pos, kv)
 
-    def finish_remote_kv(self, request_id: str, first_token: SampledToken) -> EngineCoreOutput:
+    def finish_remote_kv(
+        self, request_id: str, first_token: SampledToken, sender_cached_tokens: int = 0
+    ) -> EngineCoreOutput:
         """All KV has landed: the request joins the batch with its first token. Raises
-        (and leaves the request waiting) if any expected KV is missing."""
+        (and leaves the request waiting) if any expected KV is missing.
+        ``sender_cached_tokens``: prompt positions the sender reused rather than computed."""
         self.kv_importer.take_complete(request_id)
-        return self._process(self.scheduler.finish_remote_kv(request_id, first_token))
+        update = self.scheduler.finish_remote_kv(request_id, first_token)
+        update.request.num_cached_tokens = max(update.request.num_cached_tokens, sender_cached_tokens)
+        self.counters.num_generation_tokens += len(update.new_token_ids)
+        return self._process(update)
 
-    def fallback_remote_kv(self, request_id: str) -> bool:
-        """The transfer failed (corrupt, refused, sender gone): discard what arrived and
-        prefill the request here instead. False if it was not waiting for KV."""
-        self.kv_importer.drop(request_id)
-        return self.scheduler.requeue_remote_kv(request_id)
+    def remote_kv_failed(self, request_id: str, reason: str) -> EngineCoreOutput | None:
+        """The transfer failed (corrupt, refused, sender gone, late): what arrived is
+        discarded and the request's policy applies. ``recompute`` queues it to prefill here
+        (None: nothing to report yet); ``fail`` ends it with an error output. None as well
+        if it was not waiting for KV (already running, finished or unknown)."""
+        state = self.kv_importer.drop(request_id)
+        if state is None:
+            return None
+        if state.policy is KVFailurePolicy.RECOMPUTE:
+            self.scheduler.requeue_remote_kv(request_id)
+            self.scheduler.requests[request_id].kv_recomputed = True
+            self.counters.num_kv_recomputed += 1
+            return None
+        request = self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ERROR)
+        self._detokenizers.pop(request_id, None)
+        self.counters.num_kv_failed += 1
+        return EngineCoreOutput(request_id, [], [], [], "", "error", None, request.num_cached_tokens,
+                                error=f"the prompt's KV transfer failed: {reason}")
 
     def abort_request(self, request_id: str) -> EngineCoreOutput | None:
         request = self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
@@ -162,12 +197,13 @@ class EngineCore:
 
     # -- stepping ----------------------------------------------------------------------------
     def step(self) -> list[EngineCoreOutput]:
+        failed = [self.remote_kv_failed(request_id, "its KV did not arrive before the deadline")
+                  for request_id in self.scheduler.expired_remote_kv(time.monotonic())]
+        failed_outputs = [output for output in failed if output is not None]
         scheduled = self.scheduler.schedule()
-        for request_id in self.scheduler.expired_remote_ids:  # now prefilled here instead
-            self.kv_importer.drop(request_id)
-        self.scheduler.expired_remote_ids.clear()
         if not scheduled.seqs:
-            return []
+            return failed_outputs
+        self._count_prompt_tokens(scheduled)
         try:
             runner_output = self.runner.execute(scheduled)
         except Exception:
@@ -181,12 +217,19 @@ class EngineCore:
         for update in updates:  # prefill role: the prompt is done, its first token goes along
             request = update.request
             if request.kv_export_from is not None and update.new_token_ids and len(request.output_token_ids) == 1:
-                self.kv_exporter.first_token(request.request_id, runner_output.sampled[request.request_id])
+                self.kv_exporter.first_token(request.request_id, runner_output.sampled[request.request_id],
+                                             request.num_cached_tokens)
         outputs = [self._process(update) for update in updates]
         for output in outputs:
+            self.counters.num_generation_tokens += len(output.new_token_ids)
             if output.finish_reason is not None:
                 self.kv_exporter.close(output.request_id, output.finish_reason)
-        return outputs
+        return failed_outputs + outputs
+
+    def _count_prompt_tokens(self, scheduled) -> None:
+        for seq in scheduled.seqs:
+            num_prompt = self.scheduler.requests[seq.request_id].num_prompt_tokens
+            self.counters.num_prompt_tokens_computed += max(0, min(seq.start_pos + len(seq.token_ids), num_prompt) - seq.start_pos)
 
     def _process(self, update: TokenUpdate) -> EngineCoreOutput:
         request = update.request
@@ -223,6 +266,7 @@ class EngineCore:
             finish_reason=request.status.finish_reason,
             stop_reason=request.stop_reason,
             num_cached_tokens=request.num_cached_tokens,
+            kv_recomputed=request.kv_recomputed,
         )
 
     def _to_position(self, lp: TokenLogprobs) -> PositionLogprobs:

@@ -4,6 +4,7 @@ through ``KVSink``; the engine never knows how bytes travel."""
 
 from __future__ import annotations
 
+import enum
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
@@ -11,6 +12,14 @@ import numpy as np
 import torch
 
 from engine.scheduler_types import SampledToken
+
+
+class KVFailurePolicy(enum.Enum):
+    """What a decode engine does when a request's remote KV fails (corrupt, refused, sender
+    gone) or does not arrive before its deadline."""
+
+    RECOMPUTE = "recompute"  # discard what arrived and prefill the prompt here
+    FAIL = "fail"  # the request ends with an error the client sees
 
 
 class KVSink(ABC):
@@ -30,8 +39,9 @@ class KVSink(ABC):
         """kv: [num_tokens, 2 * kv_heads, head_dim] for positions start_pos ... (keys then values)."""
 
     @abstractmethod
-    def send_first_token(self, request_id: str, token: SampledToken) -> None:
-        """The prompt is complete on the sender; ``token`` was sampled from its last position."""
+    def send_first_token(self, request_id: str, token: SampledToken, num_cached_tokens: int) -> None:
+        """The prompt is complete on the sender; ``token`` was sampled from its last position.
+        ``num_cached_tokens``: leading prompt positions the sender reused from its own cache."""
 
     @abstractmethod
     def close(self, request_id: str, finish_reason: str) -> None:
@@ -50,7 +60,8 @@ class RemoteKVState:
     """What a decode engine has received for one request: per layer, which positions in
     [from_pos, prompt_len) have landed. The request may run only when all have."""
 
-    def __init__(self, num_layers: int, from_pos: int, prompt_len: int) -> None:
+    def __init__(self, num_layers: int, from_pos: int, prompt_len: int, policy: KVFailurePolicy) -> None:
+        self.policy = policy
         self.from_pos = from_pos
         self.prompt_len = prompt_len
         self.received = np.zeros((num_layers, prompt_len - from_pos), dtype=bool)
@@ -91,8 +102,8 @@ class KVImporter:
         self._states: dict[str, RemoteKVState] = {}
         self.num_bytes_received = 0
 
-    def expect(self, request_id: str, from_pos: int, prompt_len: int) -> None:
-        self._states[request_id] = RemoteKVState(self._num_layers, from_pos, prompt_len)
+    def expect(self, request_id: str, from_pos: int, prompt_len: int, policy: KVFailurePolicy) -> None:
+        self._states[request_id] = RemoteKVState(self._num_layers, from_pos, prompt_len, policy)
 
     def write(self, request_id: str, layer: int, start_pos: int, kv: torch.Tensor) -> None:
         state = self._states.get(request_id)
@@ -117,8 +128,8 @@ class KVImporter:
             raise ValueError(f"request '{request_id}': KV incomplete, {state.missing()}; it will not run")
         return self._states.pop(request_id)
 
-    def drop(self, request_id: str) -> None:
-        self._states.pop(request_id, None)
+    def drop(self, request_id: str) -> RemoteKVState | None:
+        return self._states.pop(request_id, None)
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._states
@@ -138,10 +149,10 @@ class KVExporter:
         if sink is not None:
             sink.send_layer(request_id, layer, start_pos, kv)
 
-    def first_token(self, request_id: str, token: SampledToken) -> None:
+    def first_token(self, request_id: str, token: SampledToken, num_cached_tokens: int) -> None:
         sink = self._sinks.get(request_id)
         if sink is not None:
-            sink.send_first_token(request_id, token)
+            sink.send_first_token(request_id, token, num_cached_tokens)
 
     def close(self, request_id: str, finish_reason: str) -> None:
         sink = self._sinks.pop(request_id, None)

@@ -47,7 +47,6 @@ class Scheduler:
         self.waiting_for_remote_kv: dict[str, Request] = {}  # WAITING_FOR_REMOTE_KV
         self.requests: dict[str, Request] = {}  # every unfinished request
         self.remote_kv_deadlines: dict[str, float] = {}  # request id -> monotonic deadline
-        self.expired_remote_ids: list[str] = []  # remote-KV waits that timed out (engine drains)
         self.num_preemptions = 0
 
     # -- admission ---------------------------------------------------------------------------
@@ -90,11 +89,10 @@ class Scheduler:
         new_lp = [first_token.logprobs] if first_token.logprobs is not None else []
         return TokenUpdate(request, [first_token.token_id], new_lp, [], finished)
 
-    def _expire_remote_kv(self, now: float) -> None:
-        """KV that did not arrive in time: fall back to computing the prompt here."""
-        for request_id, deadline in list(self.remote_kv_deadlines.items()):
-            if now >= deadline:
-                self.requeue_remote_kv(request_id)
+    def expired_remote_kv(self, now: float) -> list[str]:
+        """Requests whose KV did not arrive by their deadline (still waiting: the engine
+        applies their failure policy)."""
+        return [request_id for request_id, deadline in self.remote_kv_deadlines.items() if now >= deadline]
 
     def requeue_remote_kv(self, request_id: str) -> bool:
         """The `recompute` policy: release the reservation (KV written so far is discarded)
@@ -106,13 +104,11 @@ class Scheduler:
         self.kv.free(request_id)
         request.status = RequestStatus.WAITING
         request.num_cached_tokens = 0
-        self.expired_remote_ids.append(request_id)
         self.waiting.appendleft(request)
         return True
 
     # -- one step ---------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        self._expire_remote_kv(time.monotonic())
         budget = self.config.max_num_batched_tokens
         scheduled: dict[str, ScheduledSeq] = {}
         preempted: list[str] = []

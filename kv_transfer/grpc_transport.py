@@ -69,7 +69,8 @@ class KVTransferServicer:
                 reply.bytes_received += payload.nbytes
                 reply.chunks_received += 1
             elif kind == "first_token":
-                self._inbox.put(FirstTokenArrival(request_id, sampled_token(message.first_token)))
+                first = message.first_token
+                self._inbox.put(FirstTokenArrival(request_id, sampled_token(first), first.num_cached_tokens))
             else:
                 self._inbox.put(TransferFailed(request_id, f"sender aborted: {message.abort.reason}"))
         reply.rejected.update(rejected)
@@ -81,8 +82,8 @@ class KVTransferServicer:
         return grpc.method_handlers_generic_handler("tandem.v1.KVTransfer", {"Push": push})
 
 
-def first_token_message(request_id: str, token: SampledToken) -> pb.KVMessage:
-    first = pb.FirstToken(request_id=request_id, token_id=token.token_id)
+def first_token_message(request_id: str, token: SampledToken, num_cached_tokens: int) -> pb.KVMessage:
+    first = pb.FirstToken(request_id=request_id, token_id=token.token_id, num_cached_tokens=num_cached_tokens)
     if token.logprobs is not None:
         first.logprob_token_ids.extend(token.logprobs.token_ids)
         first.logprobs.extend(token.logprobs.logprobs)
@@ -152,8 +153,8 @@ class GrpcKVSink(KVSink):
     def send_layer(self, request_id: str, layer: int, start_pos: int, kv: torch.Tensor) -> None:
         self._queue.put((request_id, layer, start_pos, kv))
 
-    def send_first_token(self, request_id: str, token: SampledToken) -> None:
-        self._queue.put(first_token_message(request_id, token))
+    def send_first_token(self, request_id: str, token: SampledToken, num_cached_tokens: int) -> None:
+        self._queue.put(first_token_message(request_id, token, num_cached_tokens))
 
     def close(self, request_id: str, finish_reason: str) -> None:
         if finish_reason not in ("stop", "length"):  # the receiver must not wait for this one

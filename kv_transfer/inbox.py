@@ -2,12 +2,13 @@
 
 The decode engine is single-threaded: transports never touch it directly. They put
 arrivals here; the worker's engine loop calls ``drain_into`` between steps, which applies
-them in order and turns anything the engine refuses into a fallback (the request is
-prefilled locally; its partial KV is never used)."""
+them in order and turns anything the engine refuses into a failed transfer (its partial KV is
+never used; the request's failure policy decides between prefilling it locally and failing it)."""
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -28,6 +29,7 @@ class KVArrival:
 class FirstTokenArrival:
     request_id: str
     token: SampledToken
+    sender_cached_tokens: int  # prompt positions the sender reused from its own cache
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,18 +43,24 @@ Arrival = KVArrival | FirstTokenArrival | TransferFailed
 
 @dataclass(slots=True)
 class DrainResult:
-    outputs: list[EngineCoreOutput] = field(default_factory=list)  # first tokens of requests now running
-    fallbacks: dict[str, str] = field(default_factory=dict)  # request id -> why it is prefilled locally
+    outputs: list[EngineCoreOutput] = field(default_factory=list)  # first tokens, and failures under `fail`
+    failed: dict[str, str] = field(default_factory=dict)  # request id -> why its transfer failed
 
 
 class EngineInbox:
-    def __init__(self) -> None:
+    """``on_put`` (optional) is called after every put, on the putting thread: the engine
+    loop uses it to wake up."""
+
+    def __init__(self, on_put: Callable[[], None] | None = None) -> None:
         self._lock = threading.Lock()
         self._items: list[Arrival] = []
+        self.on_put = on_put
 
     def put(self, item: Arrival) -> None:
         with self._lock:
             self._items.append(item)
+        if self.on_put is not None:
+            self.on_put()
 
     def __len__(self) -> int:
         with self._lock:
@@ -63,20 +71,25 @@ class EngineInbox:
             items, self._items = self._items, []
         result = DrainResult()
         for item in items:
-            if item.request_id in result.fallbacks:
+            if item.request_id in result.failed:
                 continue  # already given up on: later pieces are dropped
             try:
                 if isinstance(item, KVArrival):
                     engine.write_remote_kv(item.request_id, item.layer, item.start_pos, item.kv)
                 elif isinstance(item, FirstTokenArrival):
-                    result.outputs.append(engine.finish_remote_kv(item.request_id, item.token))
+                    result.outputs.append(
+                        engine.finish_remote_kv(item.request_id, item.token, item.sender_cached_tokens))
                 else:
-                    self._fall_back(engine, item.request_id, item.reason, result)
+                    self._fail(engine, item.request_id, item.reason, result)
             except (KeyError, ValueError) as exc:
-                self._fall_back(engine, item.request_id, str(exc), result)
+                self._fail(engine, item.request_id, str(exc), result)
         return result
 
     @staticmethod
-    def _fall_back(engine: EngineCore, request_id: str, reason: str, result: DrainResult) -> None:
-        if engine.fallback_remote_kv(request_id):
-            result.fallbacks[request_id] = reason
+    def _fail(engine: EngineCore, request_id: str, reason: str, result: DrainResult) -> None:
+        if request_id not in engine.kv_importer:
+            return  # not waiting for KV (finished, aborted, already failed): nothing to undo
+        result.failed[request_id] = reason
+        output = engine.remote_kv_failed(request_id, reason)
+        if output is not None:
+            result.outputs.append(output)

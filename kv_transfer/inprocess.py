@@ -29,9 +29,9 @@ class InProcessKVSink(KVSink):
         except (KeyError, ValueError) as exc:
             self.errors[request_id] = str(exc)
 
-    def send_first_token(self, request_id: str, token: SampledToken) -> None:
+    def send_first_token(self, request_id: str, token: SampledToken, num_cached_tokens: int) -> None:
         try:
-            self.first_outputs.append(self.receiver.finish_remote_kv(request_id, token))
+            self.first_outputs.append(self.receiver.finish_remote_kv(request_id, token, num_cached_tokens))
         except (KeyError, ValueError) as exc:
             self.errors[request_id] = str(exc)
 

@@ -114,7 +114,8 @@ class TorchDistKVReceiver:
             self.stats.bytes_received += payload.nbytes
             self.stats.chunks_received += 1
         elif kind == "first_token":
-            self._inbox.put(FirstTokenArrival(request_id, sampled_token(message.first_token)))
+            first = message.first_token
+            self._inbox.put(FirstTokenArrival(request_id, sampled_token(first), first.num_cached_tokens))
         else:
             self._inbox.put(TransferFailed(request_id, f"sender aborted: {message.abort.reason}"))
 
@@ -161,8 +162,8 @@ class TorchDistKVSink(KVSink):
     def send_layer(self, request_id: str, layer: int, start_pos: int, kv: torch.Tensor) -> None:
         self._queue.put((request_id, layer, start_pos, kv))
 
-    def send_first_token(self, request_id: str, token: SampledToken) -> None:
-        self._queue.put(first_token_message(request_id, token))
+    def send_first_token(self, request_id: str, token: SampledToken, num_cached_tokens: int) -> None:
+        self._queue.put(first_token_message(request_id, token, num_cached_tokens))
 
     def close(self, request_id: str, finish_reason: str) -> None:
         if finish_reason not in ("stop", "length"):

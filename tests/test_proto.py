@@ -13,7 +13,8 @@ def test_generated_code_is_current(tmp_path):
     protos = sorted(p.relative_to(ROOT) for p in (ROOT / "proto").glob("*.proto"))
     assert protos, "no .proto files found"
     subprocess.run(
-        [sys.executable, "-m", "grpc_tools.protoc", "-I", str(ROOT), f"--python_out={tmp_path}", *map(str, protos)],
+        [sys.executable, "-m", "grpc_tools.protoc", "-I", str(ROOT), f"--python_out={tmp_path}",
+         f"--grpc_python_out={tmp_path}", *map(str, protos)],
         check=True, cwd=ROOT, timeout=120,
     )
     generated = sorted(tmp_path.glob("proto/*.py"))

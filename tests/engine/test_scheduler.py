@@ -170,8 +170,11 @@ def test_remote_kv_joins_batch_and_expires():
     late = make_request("late", 10)
     assert sched.add_remote_kv_request(late, deadline_s=0.0) == 0
     time.sleep(0.01)
-    out, _ = run_step(sched)  # deadline passed: reservation released, prefilled locally
-    assert late.status is RequestStatus.RUNNING and sched.expired_remote_ids == ["late"]
+    assert sched.expired_remote_kv(time.monotonic()) == ["late"]  # reported; the engine picks the policy
+    assert late.status is RequestStatus.WAITING_FOR_REMOTE_KV
+    assert sched.requeue_remote_kv("late") and not sched.requeue_remote_kv("late")
+    out, _ = run_step(sched)  # the recompute policy: reservation released, prefilled locally
+    assert late.status is RequestStatus.RUNNING and sched.expired_remote_kv(time.monotonic()) == []
     assert any(s.request_id == "late" and s.start_pos == 0 and len(s.token_ids) == 10 for s in out.seqs)
 
 

@@ -93,7 +93,7 @@ def test_corrupt_chunk_is_refused_and_request_recomputed(engines, server, llm):
     fresh = ["Unseen opening. " + p for p in PROMPTS]  # nothing of these is cached anywhere yet
     ids, reply, drained = run_transfer(engines, inbox, sink, fresh, params, "c")
     assert "checksum" in reply.rejected["c1"] and "c0" not in reply.rejected
-    assert "checksum" in drained.fallbacks["c1"]
+    assert "checksum" in drained.failed["c1"]
     assert "c1" not in decode.kv_importer
     tokens = finish_decoding(decode, drained)
     # c1 was prefilled locally (never on the corrupt KV), c0 used its transfer

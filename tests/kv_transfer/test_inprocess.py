@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from engine import SamplingParams
-from engine.remote_kv import KVExport, prefill_side_params
+from engine.remote_kv import KVExport, KVFailurePolicy, prefill_side_params
 from engine.scheduler_types import SampledToken
+from kv_transfer.inbox import EngineInbox, TransferFailed
 from kv_transfer.inprocess import InProcessKVSink
 from tests.kv_transfer.helpers import RecordsSent, assert_landed_equals_sent
 from tests.conftest import make_engine_pair
@@ -150,3 +151,27 @@ def test_expired_wait_recomputes_locally(pair, llm):
             tokens += output.new_token_ids
     assert "late" not in decode.kv_importer
     assert tokens == llm.generate({"prompt_token_ids": ids}, params)[0].outputs[0].token_ids
+
+
+def test_fail_policy_ends_the_request_with_an_error_and_frees_its_blocks(pair):
+    _, decode = pair
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    ids = decode.tokenizer.encode(PROMPTS[3])
+    failed_before = decode.counters.num_kv_failed
+    computed_before = decode.counters.num_prompt_tokens_computed
+    decode.add_remote_request(decode.make_request("late-fail", ids, params), 0.0, KVFailurePolicy.FAIL)
+    (output,) = decode.step()  # the deadline has passed
+    assert output.request_id == "late-fail" and output.finish_reason == "error"
+    assert "did not arrive before the deadline" in output.error
+    # a refused transfer under `fail`: the inbox turns it into the same error
+    inbox = EngineInbox()
+    decode.add_remote_request(decode.make_request("refused", ids, params), 120, KVFailurePolicy.FAIL)
+    inbox.put(TransferFailed("refused", "payload checksum mismatch"))
+    drained = inbox.drain_into(decode)
+    assert drained.failed == {"refused": "payload checksum mismatch"}
+    (output,) = drained.outputs
+    assert output.finish_reason == "error" and "checksum" in output.error
+    assert decode.counters.num_kv_failed - failed_before == 2
+    assert decode.counters.num_prompt_tokens_computed == computed_before  # nothing was recomputed
+    assert not decode.has_unfinished_requests()
+    assert decode.block_pool.num_free_blocks == decode.block_pool.num_blocks

@@ -67,7 +67,7 @@ def test_gloo_transfer_between_threads_decodes_like_colocated(engines, llm):
     assert stats.error is None and stats.rejected == {}
     assert stats.bytes_received == sink.bytes_sent == sum(kv.numel() * 4 for *_, kv in sink.sent)
     tokens, drained = decode_all(decode, inbox)
-    assert drained.fallbacks == {}
+    assert drained.failed == {}
     reference = llm.generate(PROMPTS, params)
     assert [tokens["t0"], tokens["t1"]] == [r.outputs[0].token_ids for r in reference]
 
@@ -86,7 +86,7 @@ def test_gloo_landed_kv_equals_sent_and_corruption_is_refused(engines):
     stats = receiver.join(30)
     assert "checksum" in stats.rejected["k1"] and "k0" not in stats.rejected
     drained = inbox.drain_into(decode)
-    assert "k1" in drained.fallbacks and [o.request_id for o in drained.outputs] == ["k0"]
+    assert "k1" in drained.failed and [o.request_id for o in drained.outputs] == ["k0"]
     assert_landed_equals_sent(decode, sink.sent, "k0")
     while decode.has_unfinished_requests():
         decode.step()
@@ -133,7 +133,7 @@ def test_gloo_transfer_between_processes(engines, smollm_dir, llm):
     assert stats.error is None and stats.bytes_received == bytes_sent > 0
     processed_before = decode.runner.num_tokens_processed
     tokens, drained = decode_all(decode, inbox)
-    assert drained.fallbacks == {}
+    assert drained.failed == {}
     assert decode.runner.num_tokens_processed - processed_before == len(prompts) * (5 - 1)
     reference = llm.generate(prompts, params)
     assert [tokens["p0"], tokens["p1"]] == [r.outputs[0].token_ids for r in reference]
