@@ -75,6 +75,10 @@ def _cmd_bench_kv_transfer(args: argparse.Namespace) -> int:
     if args.prompt_tokens:
         result.overlap = overlap(args.model, args.prompt_tokens, args.threads)
     print(render(result))
+    if args.prompt_tokens and args.ttft_rounds:
+        from bench.ttft_bench import render_ttft, ttft
+
+        print(render_ttft(ttft(args.model, args.prompt_tokens, args.threads, args.ttft_rounds)))
     return 0
 
 
@@ -119,6 +123,8 @@ def build_parser() -> argparse.ArgumentParser:
     transfer.add_argument("--sizes-mib", default="1,4,16,64,256")
     transfer.add_argument("--model", default=DEFAULT_MODEL)
     transfer.add_argument("--prompt-tokens", type=int, default=2048, help="0 skips the overlap measurement")
+    transfer.add_argument("--ttft-rounds", type=int, default=3,
+                          help="rounds of disaggregated vs colocated time to first token (0 skips)")
     transfer.add_argument("--threads", type=int, default=2)
     transfer.set_defaults(func=_cmd_bench_kv_transfer)
     return parser

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import sys
 from collections.abc import Sequence
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -160,3 +161,26 @@ class LLM:
                 if request_id not in finished:
                     self.engine.abort_request(request_id)
         return [finished[request_id] for request_id in request_ids]
+
+
+@dataclass(frozen=True, slots=True)
+class EngineArgs:
+    """The engine half of a worker's configuration (the CLI's engine flags); same meanings
+    as LLM's arguments. Workers build their engine with ``build()``."""
+
+    model: str = DEFAULT_MODEL
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    kv_cache_memory_bytes: int = 1 << 30
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 8192
+    enable_prefix_caching: bool = True
+    num_threads: int | None = None  # --worker-threads: each worker pins its own
+    seed: int = 0
+    chat_template: str | None = None
+    served_model_name: str | None = None
+
+    def build(self) -> LLM:
+        return LLM(**{f.name: getattr(self, f.name) for f in fields(self)})

@@ -64,7 +64,7 @@ class ModelRunner:
         for seq in seqs:
             end = seq.start_pos + len(seq.token_ids)
             if seq.export_from is not None and end > seq.export_from:
-                first = max(seq.start_pos, seq.export_from)
+                first = seq.export_from
                 exports.append((seq.request_id, first, self.kv_cache.slots_for(seq.block_ids, first, end)))
         if not exports:
             return None

@@ -182,8 +182,19 @@ class Scheduler:
             block_ids=list(self.kv.block_table(request.request_id)),
             sampling=sampling,
             prompt_logprobs=self._prompt_logprobs_input(request, start, end),
-            export_from=request.kv_export_from,
+            export_from=self._export_from(request, start),
         )
+
+    @staticmethod
+    def _export_from(request: Request, start: int) -> int | None:
+        """Prefill role: the first position whose KV this chunk exports. The first chunk after
+        a prefix-cache hit also exports the cached positions the receiver lacks
+        ([kv_export_from, start)); later chunks export only what they compute."""
+        if request.kv_export_from is None:
+            return None
+        if start == request.num_cached_tokens:
+            return request.kv_export_from
+        return max(request.kv_export_from, start)
 
     @staticmethod
     def _prompt_logprobs_input(request: Request, start: int, end: int) -> PromptLogprobsInput | None:

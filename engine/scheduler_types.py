@@ -40,7 +40,9 @@ class ScheduledSeq:
     block_ids: list[int]  # block table covering positions [0, start_pos + num_new)
     sampling: SamplingInput | None  # set when this chunk reaches the end: sample a token
     prompt_logprobs: PromptLogprobsInput | None  # None: not asked, or no prompt position here
-    export_from: int | None = None  # export the KV of this chunk's positions >= this (prefill role)
+    # prefill role: after each layer, export the KV of positions [export_from, start_pos + num_new);
+    # below start_pos only on the first chunk after a prefix-cache hit (cached here, not there)
+    export_from: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -47,39 +47,83 @@ class KVTransferServicer:
     def push(self, frames, context) -> pb.PushReply:
         if not self._authorized(context):
             context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong cluster secret")
-        reply = pb.PushReply()
-        rejected: dict[str, str] = {}
-        for data in frames:
-            try:
-                message, payload = parse_frame(data)
-            except CorruptChunkError as exc:  # no request to blame: the stream itself is broken
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad KV frame: {exc}")
-            kind = message.WhichOneof("kind")
-            request_id = getattr(message, kind).request_id
-            if request_id in rejected:
-                continue
-            if kind == "chunk":
+        stream = _PushStream(self._inbox, self._dtype, self._token_shape)
+        try:
+            for data in frames:
                 try:
-                    chunk = decode_chunk(message.chunk, payload, self._dtype, self._token_shape)
+                    stream.accept(data)
+                except CorruptChunkError as exc:  # no request to blame: the stream itself is broken
+                    context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad KV frame: {exc}")
+        finally:
+            stream.close()
+        return stream.reply
+
+    async def push_async(self, frames, context) -> pb.PushReply:
+        """The same on a grpc.aio server (the worker's; it checks the secret for every call)."""
+        stream = _PushStream(self._inbox, self._dtype, self._token_shape)
+        try:
+            async for data in frames:
+                try:
+                    stream.accept(data)
                 except CorruptChunkError as exc:
-                    rejected[request_id] = str(exc)
-                    self._inbox.put(TransferFailed(request_id, str(exc)))
-                    continue
-                self._inbox.put(KVArrival(chunk.request_id, chunk.layer, chunk.start_pos, chunk.kv))
-                reply.bytes_received += payload.nbytes
-                reply.chunks_received += 1
-            elif kind == "first_token":
-                first = message.first_token
-                self._inbox.put(FirstTokenArrival(request_id, sampled_token(first), first.num_cached_tokens))
-            else:
-                self._inbox.put(TransferFailed(request_id, f"sender aborted: {message.abort.reason}"))
-        reply.rejected.update(rejected)
-        return reply
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad KV frame: {exc}")
+        finally:
+            stream.close()
+        return stream.reply
+
+    def aio_handler(self) -> grpc.GenericRpcHandler:
+        push = grpc.stream_unary_rpc_method_handler(self.push_async, response_serializer=pb.PushReply.SerializeToString)
+        return grpc.method_handlers_generic_handler("tandem.v1.KVTransfer", {"Push": push})
 
     def handler(self) -> grpc.GenericRpcHandler:
         """Frames arrive as raw bytes (no protobuf copy of the payload); the reply is protobuf."""
         push = grpc.stream_unary_rpc_method_handler(self.push, response_serializer=pb.PushReply.SerializeToString)
         return grpc.method_handlers_generic_handler("tandem.v1.KVTransfer", {"Push": push})
+
+
+class _PushStream:
+    """One Push call on the receiver: validates frames into the inbox, and when the stream
+    ends (cleanly or not), fails the requests it started but never completed, so the
+    decode worker reacts at once instead of at the deadline."""
+
+    def __init__(self, inbox: EngineInbox, dtype: torch.dtype, token_shape: tuple[int, int]) -> None:
+        self._inbox, self._dtype, self._token_shape = inbox, dtype, token_shape
+        self._open: set[str] = set()  # request ids with KV on this stream but no first token yet
+        self.rejected: dict[str, str] = {}
+        self.reply = pb.PushReply()
+
+    def accept(self, data) -> None:
+        message, payload = parse_frame(data)  # CorruptChunkError: the stream is broken
+        inbox = self._inbox
+        kind = message.WhichOneof("kind")
+        request_id = getattr(message, kind).request_id
+        if request_id in self.rejected:
+            return
+        if kind == "chunk":
+            try:
+                chunk = decode_chunk(message.chunk, payload, self._dtype, self._token_shape)
+            except CorruptChunkError as exc:
+                self.rejected[request_id] = str(exc)
+                self.reply.rejected[request_id] = str(exc)
+                self._open.discard(request_id)
+                inbox.put(TransferFailed(request_id, str(exc)))
+                return
+            self._open.add(request_id)
+            inbox.put(KVArrival(chunk.request_id, chunk.layer, chunk.start_pos, chunk.kv))
+            self.reply.bytes_received += payload.nbytes
+            self.reply.chunks_received += 1
+        elif kind == "first_token":
+            self._open.discard(request_id)
+            first = message.first_token
+            inbox.put(FirstTokenArrival(request_id, sampled_token(first), first.num_cached_tokens))
+        else:
+            self._open.discard(request_id)
+            inbox.put(TransferFailed(request_id, f"sender aborted: {message.abort.reason}"))
+
+    def close(self) -> None:
+        for request_id in self._open:
+            self._inbox.put(TransferFailed(request_id, "the KV stream ended before the transfer completed"))
+        self._open.clear()
 
 
 def first_token_message(request_id: str, token: SampledToken, num_cached_tokens: int) -> pb.KVMessage:
@@ -114,8 +158,11 @@ class GrpcKVSink(KVSink):
     tensors; a sender thread frames (header + checksum + bytes) and streams them, so layer i travels
     while layer i+1 computes. ``finish()`` ends the stream and returns the receiver's reply."""
 
-    def __init__(self, target: str, secret: str, timeout_s: float = 60.0, max_chunk_bytes: int = MAX_CHUNK_BYTES):
-        self._channel = grpc.insecure_channel(target, options=_CHANNEL_OPTIONS)
+    def __init__(self, target: str, secret: str, timeout_s: float = 60.0, max_chunk_bytes: int = MAX_CHUNK_BYTES,
+                 channel: grpc.Channel | None = None):
+        # a worker passes its channel to the target (one connection, many streams); else our own
+        self._owns_channel = channel is None
+        self._channel = channel or grpc.insecure_channel(target, options=_CHANNEL_OPTIONS)
         self._push = self._channel.stream_unary(PUSH_METHOD, response_deserializer=pb.PushReply.FromString)
         self._metadata = ((SECRET_METADATA_KEY, secret),)
         self._timeout_s = timeout_s
@@ -124,6 +171,8 @@ class GrpcKVSink(KVSink):
         self.bytes_sent = 0
         self.reply: pb.PushReply | None = None
         self.error: grpc.RpcError | None = None
+        self.cancelled = False
+        self._call: grpc.Future | None = None
         self._thread = threading.Thread(target=self._run, name="kv-push", daemon=True)
         self._thread.start()
 
@@ -146,9 +195,21 @@ class GrpcKVSink(KVSink):
 
     def _run(self) -> None:
         try:
-            self.reply = self._push(self._messages(), metadata=self._metadata, timeout=self._timeout_s)
-        except grpc.RpcError as exc:
-            self.error = exc
+            self._call = self._push.future(self._messages(), metadata=self._metadata, timeout=self._timeout_s)
+            self.reply = self._call.result()
+        except (grpc.RpcError, grpc.FutureCancelledError) as exc:
+            self.error = exc if isinstance(exc, grpc.RpcError) else None
+            self.cancelled = isinstance(exc, grpc.FutureCancelledError)
+        finally:  # the stream is over: queued tensors are released, never sent
+            while not self._queue.empty():
+                self._queue.get_nowait()
+
+    def cancel(self) -> None:
+        """Drop the stream now (the receiver sees it end and fails what it did not complete)."""
+        self.cancelled = True
+        if self._call is not None:
+            self._call.cancel()
+        self._queue.put(_END)
 
     def send_layer(self, request_id: str, layer: int, start_pos: int, kv: torch.Tensor) -> None:
         self._queue.put((request_id, layer, start_pos, kv))
@@ -164,5 +225,6 @@ class GrpcKVSink(KVSink):
         """End the stream, wait for the reply (None on error; see ``error``)."""
         self._queue.put(_END)
         self._thread.join(timeout_s if timeout_s is not None else self._timeout_s)
-        self._channel.close()
+        if self._owns_channel:
+            self._channel.close()
         return self.reply

@@ -83,6 +83,7 @@ class TorchDistKVReceiver:
         self._store = dist.TCPStore(host, 0, 2, True, self._timeout, wait_for_workers=False)
         self.address = (host, self._store.port)
         self.stats = TransferStats()
+        self._open: set[str] = set()  # requests with KV on this pair but no first token yet
         self._thread = threading.Thread(target=self._run, name="kv-recv-gloo", daemon=True)
         self._thread.start()
 
@@ -97,6 +98,10 @@ class TorchDistKVReceiver:
                 self._handle(*parse_frame(data.numpy()))
         except (RuntimeError, CorruptChunkError) as exc:  # timeouts, dead peers, broken frames
             self.stats.error = str(exc)
+        finally:  # whatever was half-sent will never complete: its requests' policy applies now
+            for request_id in self._open:
+                self._inbox.put(TransferFailed(request_id, f"the KV pair ended early: {self.stats.error or 'the sender closed it'}"))
+            self._open.clear()
 
     def _handle(self, message: pb.KVMessage, payload: memoryview) -> None:
         kind = message.WhichOneof("kind")
@@ -108,16 +113,25 @@ class TorchDistKVReceiver:
                 chunk = decode_chunk(message.chunk, payload, self._dtype, self._token_shape)
             except CorruptChunkError as exc:
                 self.stats.rejected[request_id] = str(exc)
+                self._open.discard(request_id)
                 self._inbox.put(TransferFailed(request_id, str(exc)))
                 return
+            self._open.add(request_id)
             self._inbox.put(KVArrival(chunk.request_id, chunk.layer, chunk.start_pos, chunk.kv))
             self.stats.bytes_received += payload.nbytes
             self.stats.chunks_received += 1
         elif kind == "first_token":
+            self._open.discard(request_id)
             first = message.first_token
             self._inbox.put(FirstTokenArrival(request_id, sampled_token(first), first.num_cached_tokens))
         else:
+            self._open.discard(request_id)
             self._inbox.put(TransferFailed(request_id, f"sender aborted: {message.abort.reason}"))
+
+    @property
+    def is_alive(self) -> bool:
+        """False once the pair has ended (the sender finished, failed or never came)."""
+        return self._thread.is_alive()
 
     def join(self, timeout_s: float | None = None) -> TransferStats:
         self._thread.join(timeout_s)
@@ -168,6 +182,11 @@ class TorchDistKVSink(KVSink):
     def close(self, request_id: str, finish_reason: str) -> None:
         if finish_reason not in ("stop", "length"):
             self._queue.put(pb.KVMessage(abort=pb.TransferAbort(request_id=request_id, reason=finish_reason)))
+
+    @property
+    def is_alive(self) -> bool:
+        """False once the pair has ended (finished or failed): a new pair is needed."""
+        return self._thread.is_alive()
 
     def finish(self, timeout_s: float | None = None) -> str | None:
         """End the stream and wait for it to drain; returns the error, if any."""

@@ -14,3 +14,11 @@ def test_throughput_and_overlap_run(smollm_dir):
     assert result.overlap.prefill_s > 0 and result.overlap.exposed_after_s >= 0
     table = render(result)
     assert "| 1 MiB |" in table and "96-token prompt" in table
+
+
+def test_ttft_comparison_runs_both_paths(smollm_dir):
+    from bench.ttft_bench import render_ttft, ttft
+
+    result = ttft(str(smollm_dir), 64, threads=2, rounds=1)
+    assert result.colocated_ms > 0 and result.disaggregated_ms > 0
+    assert "64-token prompt" in render_ttft(result) and "x colocated" in render_ttft(result)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import shutil
 
 import pytest
 import torch
@@ -10,6 +9,7 @@ import torch
 from engine import SamplingParams
 from tests.conftest import make_llm
 from tests.reference import EqualityStats, assert_token_equal, hf_greedy
+from tests.tiny_model import write_tiny_checkpoint
 
 NEW_TOKENS = 32
 
@@ -57,53 +57,10 @@ def test_smollm2_batch_matches_transformers(engine_under_test, hf_smollm):
     assert stats.near_ties <= 2, "the near-tie rule should be rare"
 
 
-def _write_tiny_checkpoint(kind: str, directory, tokenizer_dir) -> None:
-    """A tiny randomly initialised HF checkpoint written by transformers itself."""
-    import transformers
-
-    torch.manual_seed({"llama": 1, "qwen2": 2, "mistral": 3}[kind])
-    common = dict(
-        vocab_size=49152,
-        hidden_size=64,
-        intermediate_size=160,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        initializer_range=0.3,  # wide logits: random models otherwise tie constantly
-        bos_token_id=1,
-        eos_token_id=2,
-    )
-    if kind == "llama":
-        rope = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
-                "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
-        config = transformers.LlamaConfig(**common, rope_parameters=rope, tie_word_embeddings=False)
-        model = transformers.LlamaForCausalLM(config)
-    elif kind == "qwen2":
-        config = transformers.Qwen2Config(**common, rope_parameters={"rope_type": "default", "rope_theta": 1e6},
-                                          tie_word_embeddings=True, use_sliding_window=False)
-        model = transformers.Qwen2ForCausalLM(config)
-        with torch.no_grad():  # make the q/k/v biases matter
-            for layer in model.model.layers:
-                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
-                    proj.bias.normal_(0, 0.5)
-    else:
-        config = transformers.MistralConfig(**common, sliding_window=None, tie_word_embeddings=False)
-        model = transformers.MistralForCausalLM(config)
-    with torch.no_grad():  # RMSNorm weights default to ones; perturb so they are really read
-        for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):
-                param.uniform_(0.5, 1.5)
-    model.save_pretrained(directory, safe_serialization=True)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(tokenizer_dir / name, directory / name)
-    return model.eval()
-
-
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "mistral"])
 def test_tiny_random_checkpoints_match_transformers(kind, tmp_path, smollm_dir):
     model_dir = tmp_path / kind
-    hf_model = _write_tiny_checkpoint(kind, model_dir, smollm_dir)
+    hf_model = write_tiny_checkpoint(kind, model_dir, smollm_dir)
     ours = make_llm(model=str(model_dir), dtype="float32", num_kv_blocks=256)
     generator = torch.Generator().manual_seed(7)
     # lengths up to 300 so llama3 rope scaling (original context 64) is exercised

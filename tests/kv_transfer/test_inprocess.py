@@ -175,3 +175,20 @@ def test_fail_policy_ends_the_request_with_an_error_and_frees_its_blocks(pair):
     assert decode.counters.num_prompt_tokens_computed == computed_before  # nothing was recomputed
     assert not decode.has_unfinished_requests()
     assert decode.block_pool.num_free_blocks == decode.block_pool.num_blocks
+
+
+def test_sender_prefix_hit_still_sends_every_position_the_receiver_lacks(pair, llm):
+    prefill, decode = pair
+    prompt = "Sender-side cache: " + PROMPTS[3]
+    params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    ids = prefill.tokenizer.encode(prompt)
+    prefill.add_request(prefill.make_request("sender-warm", ids, params))  # now cached on the sender only
+    while prefill.has_unfinished_requests():
+        prefill.step()
+    computed_before = prefill.counters.num_prompt_tokens_computed
+    sink = _Recorder(decode)
+    tokens, _ = disaggregated(prefill, decode, [prompt], params, sink, tag="sender-hit")
+    assert prefill.counters.num_prompt_tokens_computed - computed_before == len(ids) - len(ids) // 16 * 16
+    arch = decode.config.model.arch
+    assert sink.bytes_sent == len(ids) * 2 * arch.num_key_value_heads * arch.head_dim * 4 * arch.num_hidden_layers
+    assert tokens["sender-hit0"] == llm.generate({"prompt_token_ids": ids}, params)[0].outputs[0].token_ids

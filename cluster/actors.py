@@ -1,0 +1,115 @@
+"""Worker pools on Ray: placement, restarts and discovery (never the data path).
+
+Each worker is a Ray actor that builds a PrefillWorker or DecodeWorker and serves it on its
+own gRPC port. Actors ask for a custom resource named after their role (``prefill`` /
+``decode``) and a fraction of a CPU, so one small machine hosts several; each pins its torch
+threads (``EngineArgs.num_threads``). Ray restarts a dead actor (its constructor runs again
+and binds a new port when the port is 0); ``WorkerHandle.refresh`` finds the new address.
+A worker that is not ready within its deadline is a startup error, never a hang.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+
+import ray
+from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError
+
+from decode_worker.worker import DecodeWorker, DecodeWorkerConfig
+from prefill_worker.worker import PrefillWorker, PrefillWorkerConfig
+from proto import worker_pb2 as pb
+
+ROLES = ("prefill", "decode")
+
+
+class WorkerStartupError(RuntimeError):
+    """A worker did not become ready before its deadline, or failed while starting."""
+
+
+class WorkerActor:
+    """The Ray actor around one worker. Ray pickles only what its own control plane carries
+    (the config at construction, small replies); requests and KV go over the worker's gRPC."""
+
+    def __init__(self, role: str, config: PrefillWorkerConfig | DecodeWorkerConfig) -> None:
+        self.role = role
+        self.worker = PrefillWorker(config) if role == "prefill" else DecodeWorker(config)
+        self.address = self.worker.start()
+
+    def ready(self) -> str:
+        return self.address
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def stats(self) -> bytes:
+        """A serialized WorkerStats (read on the engine thread)."""
+        return self.worker.engine_loop.call(self.worker.stats).result(30).SerializeToString()
+
+    def arm_kv_pause(self, after_frames: int) -> None:
+        """Test hook (prefill): hold the next transfer's sender after ``after_frames`` frames."""
+        self.worker.pause.arm(after_frames)
+
+    def kv_pause_holding(self) -> bool:
+        return self.worker.pause.holding.is_set()
+
+    def stop(self) -> None:
+        self.worker.stop()
+
+
+@dataclass
+class WorkerHandle:
+    role: str
+    actor: ray.actor.ActorHandle
+    address: str  # host:port of its gRPC server
+
+    def stats(self, timeout_s: float = 30.0) -> pb.WorkerStats:
+        return pb.WorkerStats.FromString(ray.get(self.actor.stats.remote(), timeout=timeout_s))
+
+    def refresh(self, timeout_s: float = 120.0) -> str:
+        """After a restart: wait for the actor to be ready again and take its new address."""
+        self.address = _wait_ready(self.role, self.actor, timeout_s)
+        return self.address
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    num_cpus: float = 0.5  # Ray's CPU accounting only; threads are pinned by EngineArgs.num_threads
+    max_restarts: int = 3
+    ready_timeout_s: float = 180.0
+
+
+def launch_worker(role: str, config, placement: Placement = Placement(), name: str | None = None) -> WorkerHandle:
+    """Start one worker actor on a node offering the ``role`` resource and wait until it
+    serves. Raises WorkerStartupError (and kills the actor) if it is not ready in time."""
+    if role not in ROLES:
+        raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+    actor = ray.remote(WorkerActor).options(
+        num_cpus=placement.num_cpus, resources={role: 1}, max_restarts=placement.max_restarts,
+        max_task_retries=0, name=name,
+    ).remote(role, config)
+    try:
+        address = _wait_ready(role, actor, placement.ready_timeout_s)
+    except WorkerStartupError:
+        ray.kill(actor, no_restart=True)
+        raise
+    return WorkerHandle(role, actor, address)
+
+
+def _wait_ready(role: str, actor, timeout_s: float) -> str:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return ray.get(actor.ready.remote(), timeout=max(0.1, deadline - time.monotonic()))
+        except ActorUnavailableError:  # restarting: ask again until the deadline
+            if time.monotonic() >= deadline:
+                break
+            time.sleep(0.2)
+        except GetTimeoutError:
+            break
+        except RayActorError as exc:
+            raise WorkerStartupError(f"the {role} worker failed to start: {exc}") from exc
+    raise WorkerStartupError(
+        f"the {role} worker was not ready within {timeout_s:.0f} s (is a node offering the "
+        f"'{role}' resource up, with enough memory for the model?)")

@@ -1,0 +1,208 @@
+"""The decode worker: admits requests, reserves their KV blocks, gets their prompt's KV from a
+prefill worker (or prefills locally), runs continuous-batching decode and streams tokens.
+
+Threads: the engine loop owns the EngineCore; a grpc.aio loop serves Generate / Abort / Stats
+and the KV Push stream on one port, and calls prefill workers. KV arriving on the stream (or
+over torch.distributed) goes through the EngineInbox, applied by the engine loop between
+steps. Ray only starts this object (cluster/actors.py); nothing here knows about Ray.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from dataclasses import dataclass, field
+
+import grpc
+
+from engine.engine_core import EngineCore, EngineCoreOutput
+from engine.engine_loop import EngineLoop
+from engine.llm import EngineArgs
+from engine.remote_kv import KVFailurePolicy
+from kv_transfer.grpc_transport import KVTransferServicer
+from kv_transfer.inbox import EngineInbox, TransferFailed
+from kv_transfer.torch_dist import TorchDistKVReceiver
+from kv_transfer.worker_rpc import (
+    CHANNEL_OPTIONS, ServerConfig, WorkerServer, output_to_chunk, params_from_proto, params_to_proto, secret_metadata,
+    worker_stats,
+)
+from proto import worker_pb2 as pb
+from proto import worker_pb2_grpc as pb_grpc
+
+logger = logging.getLogger(__name__)
+
+_POLICIES = {
+    pb.KV_FAILURE_POLICY_RECOMPUTE: KVFailurePolicy.RECOMPUTE,
+    pb.KV_FAILURE_POLICY_FAIL: KVFailurePolicy.FAIL,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeWorkerConfig:
+    engine: EngineArgs
+    server: ServerConfig
+    kv_failure_policy: KVFailurePolicy = KVFailurePolicy.RECOMPUTE  # --kv-failure-policy
+    kv_deadline_s: float = 30.0  # how long a prompt's KV may take to land
+    stall_timeout_s: float = 300.0  # a stream with no output for this long is failed
+
+
+@dataclass(slots=True)
+class _Admission:
+    """What admission decided for one request (made on the engine thread)."""
+
+    seed: int  # the sampling seed both workers use
+    num_prompt_tokens: int
+    kv_from_pos: int | None  # remote prefill: the sender starts here; None: prefilled locally
+
+
+@dataclass(slots=True)
+class _Stream:
+    """One Generate call's mailbox: the engine thread puts outputs, the handler awaits them."""
+
+    loop: asyncio.AbstractEventLoop
+    outputs: asyncio.Queue = field(default_factory=asyncio.Queue)
+
+    def put(self, output: EngineCoreOutput) -> None:  # engine thread
+        self.loop.call_soon_threadsafe(self.outputs.put_nowait, output)
+
+
+class DecodeWorker(pb_grpc.DecodeWorkerServicer):
+    def __init__(self, config: DecodeWorkerConfig) -> None:
+        self.config = config
+        self.core: EngineCore = config.engine.build().engine_core
+        self.inbox = EngineInbox()
+        self.engine_loop = EngineLoop(self.core, before_step=lambda core: self.inbox.drain_into(core).outputs)
+        self.inbox.on_put = self.engine_loop.wake
+        cache = self.core.kv_cache.layers[0]
+        self._token_shape = tuple(cache.shape[2:])
+        secret = config.server.cluster_secret
+        self._kv_servicer = KVTransferServicer(self.inbox, secret, cache.dtype, self._token_shape)
+        self._metadata = secret_metadata(secret)
+        self.server = WorkerServer(config.server, self._register)
+        self._prefill_stubs: dict[str, pb_grpc.PrefillWorkerStub] = {}  # address -> stub (aio loop only)
+        self._torch_receivers: dict[str, TorchDistKVReceiver] = {}  # prefill address -> live pair
+
+    def _register(self, server: grpc.aio.Server) -> None:
+        pb_grpc.add_DecodeWorkerServicer_to_server(self, server)
+        server.add_generic_rpc_handlers((self._kv_servicer.aio_handler(),))
+
+    def start(self) -> str:
+        """Start the engine loop and the server; returns host:port."""
+        self.engine_loop.start()
+        return self.server.start()
+
+    def stop(self) -> None:
+        self.server.stop()
+        self.engine_loop.stop()
+
+    @property
+    def address(self) -> str:
+        return self.server.address
+
+    # -- Generate -----------------------------------------------------------------------------
+    async def Generate(self, request: pb.GenerateRequest, context):
+        request_id = request.request_id or f"gen-{uuid.uuid4().hex}"
+        stream = _Stream(asyncio.get_running_loop())
+        try:
+            params = params_from_proto(request.params)
+            admission = await asyncio.wrap_future(self.engine_loop.call(self._admit, request_id, request, params, stream))
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except _NoCapacity as exc:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        prefill = None
+        if admission.kv_from_pos is not None:
+            prefill = asyncio.create_task(self._remote_prefill(request_id, request, params, admission))
+        finished = False
+        try:
+            while not finished:
+                try:
+                    output = await asyncio.wait_for(stream.outputs.get(), self.config.stall_timeout_s)
+                except TimeoutError:
+                    await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                        f"no progress for {self.config.stall_timeout_s:.0f} s")
+                finished = output.finish_reason is not None
+                if output.error is not None:
+                    code = grpc.StatusCode.UNAVAILABLE if "KV transfer" in output.error else grpc.StatusCode.INTERNAL
+                    await context.abort(code, output.error)
+                yield output_to_chunk(output, admission.num_prompt_tokens)
+        finally:
+            if not finished:  # client gone, cancelled or failed: free everything it holds here
+                self.engine_loop.abort(request_id)
+            if prefill is not None and not prefill.done():
+                prefill.cancel()  # cancels the Prefill call: the prefill worker drops it too
+
+    def _admit(self, request_id: str, request: pb.GenerateRequest, params, stream: _Stream) -> _Admission:
+        """Engine thread: validate, then reserve blocks for remote KV or queue a local prefill."""
+        core = self.core
+        engine_request = core.make_request(request_id, list(request.prompt_token_ids), params,
+                                           request.cache_salt or None)
+        admission = _Admission(engine_request.seed, engine_request.num_prompt_tokens, None)
+        if request.HasField("prefill"):
+            policy = _POLICIES.get(request.kv_failure_policy, self.config.kv_failure_policy)
+            deadline_s = request.kv_deadline_ms / 1000 or self.config.kv_deadline_s
+            admission.kv_from_pos = core.add_remote_request(engine_request, deadline_s, policy)
+            if admission.kv_from_pos is None and policy is KVFailurePolicy.FAIL:
+                raise _NoCapacity(f"no free KV blocks for a {engine_request.num_prompt_tokens}-token prompt now")
+        if admission.kv_from_pos is None:
+            core.add_request(engine_request)  # queued here like any colocated request
+        self.engine_loop.listen(request_id, stream.put)
+        return admission
+
+    async def _remote_prefill(self, request_id: str, request: pb.GenerateRequest, params, admission: _Admission):
+        """Ask the prefill worker for the KV this worker lacks. Any failure becomes a
+        TransferFailed in the inbox, where the request's policy applies."""
+        target = request.prefill
+        deadline_s = request.kv_deadline_ms / 1000 or self.config.kv_deadline_s
+        try:
+            kv_target = self._kv_target(target)
+            call = pb.PrefillRequest(
+                request_id=request_id, prompt_token_ids=request.prompt_token_ids,
+                params=params_to_proto(params.with_overrides(seed=admission.seed)), cache_salt=request.cache_salt,
+                kv_from_pos=admission.kv_from_pos, transport=target.transport, kv_target=kv_target,
+                deadline_ms=int(deadline_s * 1000),
+            )
+            await self._prefill_stub(target.address).Prefill(call, timeout=deadline_s, metadata=self._metadata)
+        except grpc.aio.AioRpcError as exc:
+            reason = f"prefill worker {target.address}: {exc.code().name}: {exc.details()}"
+            self.inbox.put(TransferFailed(request_id, reason))
+        except (OSError, RuntimeError) as exc:  # a torch.distributed pair could not be set up
+            self.inbox.put(TransferFailed(request_id, f"KV transport to {target.address}: {exc}"))
+
+    def _prefill_stub(self, address: str) -> pb_grpc.PrefillWorkerStub:
+        stub = self._prefill_stubs.get(address)
+        if stub is None:
+            channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+            stub = self._prefill_stubs[address] = pb_grpc.PrefillWorkerStub(channel)
+        return stub
+
+    def _kv_target(self, target: pb.PrefillTarget) -> str:
+        """Where the prefill worker sends KV: this server (gRPC), or the rendezvous of this
+        worker's torch.distributed pair with it (set up on first use, again after a failure)."""
+        if target.transport == pb.KV_TRANSPORT_GRPC:
+            return self.address
+        receiver = self._torch_receivers.get(target.address)
+        if receiver is None or not receiver.is_alive:
+            receiver = TorchDistKVReceiver(self.inbox, self.config.server.cluster_secret, self.core.kv_cache.layers[0].dtype,
+                                           self._token_shape, host=self.config.server.host,
+                                           timeout_s=self.config.kv_deadline_s)
+            self._torch_receivers[target.address] = receiver
+        host, port = receiver.address
+        return f"{host}:{port}"
+
+    # -- Abort / Stats ------------------------------------------------------------------------
+    async def Abort(self, request: pb.AbortRequest, context) -> pb.AbortReply:
+        found = await asyncio.wrap_future(self.engine_loop.abort(request.request_id))
+        return pb.AbortReply(found=found)
+
+    async def Stats(self, request: pb.StatsRequest, context) -> pb.WorkerStats:
+        return await asyncio.wrap_future(self.engine_loop.call(self.stats))
+
+    def stats(self) -> pb.WorkerStats:
+        """Engine thread (or when the loop is idle)."""
+        return worker_stats(self.core, "decode", self.address, num_held_transfers=len(self.core.scheduler.waiting_for_remote_kv))
+
+
+class _NoCapacity(Exception):
+    """Admission found no free KV blocks (under the fail policy: the client is told so)."""

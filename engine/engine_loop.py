@@ -1,0 +1,142 @@
+"""EngineLoop: one EngineCore stepped on its own thread, for workers that serve it from
+other threads (gRPC handlers, transport receivers).
+
+The core is single-threaded. Other threads reach it in exactly two ways: ``call`` runs a
+function on the engine thread between two steps and returns a Future of its result, and the
+output listener a request was added with is called (on the engine thread) with each of its
+outputs. Listeners must only hand the output over (e.g. ``loop.call_soon_threadsafe``).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+
+from engine.engine_core import EngineCore, EngineCoreOutput
+
+logger = logging.getLogger(__name__)
+
+OutputListener = Callable[[EngineCoreOutput], None]
+# Between steps, before scheduling: work that produces outputs off the step (remote KV
+# landing). Runs on the engine thread.
+BeforeStep = Callable[[EngineCore], list[EngineCoreOutput]]
+
+
+class EngineLoop:
+    def __init__(self, core: EngineCore, before_step: BeforeStep | None = None, idle_poll_s: float = 0.005):
+        self.core = core
+        self._before_step = before_step
+        self._idle_poll_s = idle_poll_s  # how often an idle loop looks at remote-KV deadlines
+        self._calls: queue.SimpleQueue = queue.SimpleQueue()
+        self._listeners: dict[str, OutputListener] = {}
+        self._wake = threading.Event()
+        self._stopping = False
+        self.error: BaseException | None = None  # what stopped the loop, if it died
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    def call(self, fn: Callable, *args) -> Future:
+        """Run ``fn(*args)`` on the engine thread before its next step."""
+        future: Future = Future()
+        if self._stopping or self.error is not None:
+            future.set_exception(RuntimeError("the engine loop is not running"))
+            return future
+        self._calls.put((future, fn, args))
+        self._wake.set()
+        return future
+
+    def listen(self, request_id: str, listener: OutputListener) -> None:
+        """Engine thread only (inside ``call``): route ``request_id``'s outputs to ``listener``
+        until one of them finishes it."""
+        self._listeners[request_id] = listener
+
+    def abort(self, request_id: str) -> Future:
+        """Abort a request wherever it is; its listener gets the final "abort" output.
+        The Future's result: whether the request was still here."""
+        return self.call(self._abort, request_id)
+
+    def _abort(self, request_id: str) -> bool:
+        output = self.core.abort_request(request_id)
+        if output is None:
+            self._listeners.pop(request_id, None)
+            return False
+        self._dispatch([output])
+        return True
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        self._stopping = True
+        self._wake.set()
+        self._thread.join(timeout_s)
+
+    # -- the engine thread --------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while not self._stopping:
+                self._run_calls()
+                outputs = self._before_step(self.core) if self._before_step else []
+                if self.core.has_unfinished_requests():
+                    outputs += self._step()
+                self._dispatch(outputs)
+                if not outputs and not self._has_runnable():
+                    self._wake.wait(self._idle_poll_s if self.core.has_unfinished_requests() else 0.5)
+                    self._wake.clear()
+        except BaseException as exc:  # the worker reports this in its health; requests get errors
+            logger.exception("engine loop died")
+            self.error = exc
+            self._fail_everything(exc)
+
+    def _step(self) -> list[EngineCoreOutput]:
+        """One step; a failed forward fails its batch (the core has freed their blocks) and
+        the loop carries on with the other requests."""
+        try:
+            return self.core.step()
+        except Exception as exc:
+            logger.exception("engine step failed")
+            gone = [rid for rid in self._listeners if rid not in self.core.scheduler.requests]
+            return [EngineCoreOutput(rid, [], [], [], "", "error", None, 0, error=f"the model step failed: {exc}")
+                    for rid in gone]
+
+    def _run_calls(self) -> None:
+        while True:
+            try:
+                future, fn, args = self._calls.get_nowait()
+            except queue.Empty:
+                return
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn(*args))
+            except Exception as exc:  # the caller gets it; the loop carries on
+                future.set_exception(exc)
+
+    def _has_runnable(self) -> bool:
+        scheduler = self.core.scheduler
+        return bool(scheduler.running or scheduler.waiting) or not self._calls.empty()
+
+    def _dispatch(self, outputs: list[EngineCoreOutput]) -> None:
+        for output in outputs:
+            listener = self._listeners.get(output.request_id)
+            if output.finish_reason is not None:
+                self._listeners.pop(output.request_id, None)
+            if listener is not None:
+                listener(output)
+
+    def _fail_everything(self, exc: BaseException) -> None:
+        for request_id, listener in list(self._listeners.items()):
+            self.core.abort_request(request_id)
+            listener(EngineCoreOutput(request_id, [], [], [], "", "error", None, 0, error=f"engine failed: {exc}"))
+        self._listeners.clear()
+        while True:
+            try:
+                future, _, _ = self._calls.get_nowait()
+            except queue.Empty:
+                return
+            future.set_exception(RuntimeError(f"engine failed: {exc}"))

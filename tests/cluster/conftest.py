@@ -1,0 +1,25 @@
+"""A real Ray cluster (this machine) for the worker-pool tests, started once per session."""
+
+from __future__ import annotations
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    import ray
+
+    # Custom resources place the workers; CPUs are fractional so 2 cores host all of them.
+    ray.init(num_cpus=2, resources={"prefill": 8, "decode": 8}, include_dashboard=False,
+             object_store_memory=128 << 20, logging_level="warning", configure_logging=True)
+    yield ray
+    ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory, smollm_dir):
+    from tests.tiny_model import write_tiny_checkpoint
+
+    directory = tmp_path_factory.mktemp("tiny-llama")
+    write_tiny_checkpoint("llama", directory, smollm_dir)
+    return directory
