@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import ray
 from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError
@@ -34,6 +34,8 @@ class WorkerActor:
 
     def __init__(self, role: str, config: PrefillWorkerConfig | DecodeWorkerConfig) -> None:
         self.role = role
+        if not config.server.host:  # serve on this node's address, wherever Ray placed us
+            config = replace(config, server=replace(config.server, host=ray.util.get_node_ip_address()))
         self.worker = PrefillWorker(config) if role == "prefill" else DecodeWorker(config)
         self.address = self.worker.start()
 

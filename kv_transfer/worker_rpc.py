@@ -26,7 +26,7 @@ CHANNEL_OPTIONS = [
 
 @dataclass(frozen=True, slots=True)
 class ServerConfig:
-    host: str  # the address other workers reach this one on
+    host: str  # the address other workers reach this one on ("" in a Ray actor: its node's)
     port: int  # 0: any free port
     cluster_secret: str  # every call must carry it (metadata x-tandem-cluster-secret)
 

@@ -36,7 +36,7 @@ PROMPTS = [
 
 def launch_pair(model_dir, tag: str):
     engine = EngineArgs(model=str(model_dir), dtype="float32", num_kv_blocks=256, max_model_len=512, num_threads=1)
-    server = ServerConfig("127.0.0.1", 0, SECRET)
+    server = ServerConfig("", 0, SECRET)  # each actor serves on its node's address
     prefill = launch_worker("prefill", PrefillWorkerConfig(engine, server), name=f"prefill-{tag}")
     decode = launch_worker("decode", DecodeWorkerConfig(engine, server, kv_deadline_s=60), name=f"decode-{tag}")
     return prefill, decode
@@ -111,6 +111,38 @@ def test_seeded_sampling_equals_colocated(smollm_pair, llm):
     colocated = llm.generate([{"prompt_token_ids": i} for i in ids], params)
     assert [r.token_ids for r in results] == [c.outputs[0].token_ids for c in colocated]
     assert "".join(r.text for r in results)  # text deltas arrive with the tokens
+
+
+def test_logprobs_stream_from_both_workers(smollm_pair, llm):
+    """The first token's logprobs come from the prefill worker (with the KV), the rest from
+    the decode worker; together they equal the offline engine's."""
+    prefill, decode = smollm_pair
+    ids = llm.get_tokenizer().encode("[logprobs] " + PROMPTS[1])
+    params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True, logprobs=3)
+    result = generate(decode.address, generate_request("lp", ids, params, prefill.address))
+    reference = llm.generate({"prompt_token_ids": ids}, params)[0].outputs[0]
+    positions = [p for chunk in result.chunks for p in chunk.logprobs]
+    assert result.token_ids == reference.token_ids and len(positions) == len(reference.logprobs) == 5
+    for position, expected in zip(positions, reference.logprobs):
+        assert [e.token_id for e in position.entries] == list(expected)
+        for entry in position.entries:
+            assert entry.logprob == pytest.approx(expected[entry.token_id].logprob, abs=1e-4)
+            assert entry.rank == expected[entry.token_id].rank
+            assert entry.decoded_token == expected[entry.token_id].decoded_token
+
+
+def test_stalled_transfer_hits_the_deadline_and_frees_both_sides(smollm_pair, llm, ray_cluster):
+    prefill, decode = smollm_pair
+    ids = llm.get_tokenizer().encode("[stalled] " + PROMPTS[3])
+    ray_cluster.get(prefill.actor.arm_kv_pause.remote(3), timeout=30)
+    request = generate_request("stalled", ids, SamplingParams(max_tokens=4), prefill.address)
+    request.kv_deadline_ms = 3000  # the stalled sender never finishes: the decode worker gives up
+    with pytest.raises(grpc.RpcError) as info:
+        generate(decode.address, request)
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+    wait_until(lambda: prefill.stats().num_held_transfers == 0, what="the stalled transfer released")
+    assert_all_free(decode.stats())
+    assert_all_free(prefill.stats())
 
 
 def test_torch_transport_is_selected_per_request(smollm_pair, llm):
