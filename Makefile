@@ -24,8 +24,7 @@ fetch: $(STAMP)
 	$(VENV)/bin/tandem models fetch $(MODEL)
 
 serve: $(STAMP)
-	$(VENV)/bin/tandem generate --model $(MODEL) --max-tokens 64 \
-		"Write one sentence about the sea." "Which city is the capital of France?"
+	$(VENV)/bin/tandem serve --model $(MODEL)
 
 test: $(STAMP)
 	$(VENV)/bin/tandem models fetch $(MODEL)

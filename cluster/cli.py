@@ -96,6 +96,10 @@ def build_parser() -> argparse.ArgumentParser:
     listing = models_cmds.add_parser("list", help="models known by name")
     listing.set_defaults(func=_cmd_models_list)
 
+    from cluster.serve import add_serve_parser
+
+    add_serve_parser(commands)
+
     gen = commands.add_parser("generate", help="generate offline for chat prompts")
     gen.add_argument("prompts", nargs="+", help="user messages, one conversation each")
     gen.add_argument("--model", default=DEFAULT_MODEL)

@@ -60,17 +60,13 @@ class LLM:
             resolved = auto_dtype("cpu", arch.hidden_size, arch.intermediate_size)
             print(f"[tandem] dtype auto -> {str(resolved).removeprefix('torch.')} (timed on this CPU)",
                   file=sys.stderr, flush=True)
-        limit = arch.max_position_embeddings
-        if arch.sliding_window:
-            limit = min(limit, arch.sliding_window)
-        if max_model_len is not None and max_model_len > limit:
-            raise ValueError(f"max_model_len {max_model_len} exceeds what the model supports ({limit})")
+        max_model_len = resolve_max_model_len(arch, max_model_len)
         model_config = ModelConfig(
             model_dir=info.model_dir,
             served_model_name=served_model_name or model,
             arch=arch,
             dtype=resolved,
-            max_model_len=max_model_len or limit,
+            max_model_len=max_model_len,
             chat_template=chat_template,
         )
         self.config = EngineConfig(
@@ -161,6 +157,16 @@ class LLM:
                 if request_id not in finished:
                     self.engine.abort_request(request_id)
         return [finished[request_id] for request_id in request_ids]
+
+
+def resolve_max_model_len(arch, requested: int | None) -> int:
+    """The context length to serve: ``requested``, or what the model supports."""
+    limit = arch.max_position_embeddings
+    if arch.sliding_window:
+        limit = min(limit, arch.sliding_window)
+    if requested is not None and requested > limit:
+        raise ValueError(f"max_model_len {requested} exceeds what the model supports ({limit})")
+    return requested or limit
 
 
 @dataclass(frozen=True, slots=True)

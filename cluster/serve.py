@@ -1,0 +1,176 @@
+"""`tandem serve`: start (or join) Ray, launch the worker pools, serve the HTTP gateway, and
+drain on SIGTERM / Ctrl-C.
+
+Draining: /ready turns false and new requests get 503; requests in flight get up to
+--drain-timeout seconds, then the decode workers abort the rest (their streams end with
+finish_reason "abort"); then every actor this command started is stopped, and a Ray it
+started is shut down."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import secrets
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from engine.remote_kv import KVFailurePolicy
+
+_TRANSPORTS = {"grpc": 0, "torch": 1}  # proto KVTransport values
+
+
+def _env(name: str, default, kind=str):
+    value = os.environ.get(f"TANDEM_{name}")
+    return default if value is None else kind(value)
+
+
+def add_serve_parser(commands) -> None:
+    from engine.models.registry import DEFAULT_MODEL
+
+    p = commands.add_parser("serve", help="serve the OpenAI-compatible API from prefill and decode workers on Ray")
+    p.add_argument("--model", default=_env("MODEL", DEFAULT_MODEL))
+    p.add_argument("--served-model-name", default=_env("SERVED_MODEL_NAME", None))
+    p.add_argument("--dtype", default=_env("DTYPE", "auto"))
+    p.add_argument("--host", default=_env("HOST", "0.0.0.0"))
+    p.add_argument("--port", type=int, default=_env("PORT", 8000, int))
+    p.add_argument("--mode", choices=["disagg", "colocated"], default=_env("MODE", "disagg"))
+    p.add_argument("--prefill-workers", type=int, default=_env("PREFILL_WORKERS", 1, int))
+    p.add_argument("--decode-workers", type=int, default=_env("DECODE_WORKERS", 1, int))
+    p.add_argument("--worker-threads", type=int, default=_env("WORKER_THREADS", 1, int),
+                   help="torch threads each worker pins")
+    p.add_argument("--worker-port", type=int, default=_env("WORKER_PORT", 0, int), help="0: any free port")
+    p.add_argument("--ray-address", default=_env("RAY_ADDRESS", None), help="join this Ray cluster (default: start one)")
+    p.add_argument("--api-key", default=_env("API_KEY", None))
+    p.add_argument("--chat-template", default=_env("CHAT_TEMPLATE", None), help="a Jinja file overriding the model's")
+    p.add_argument("--max-model-len", type=int, default=_env("MAX_MODEL_LEN", None, int))
+    p.add_argument("--block-size", type=int, default=_env("BLOCK_SIZE", 16, int))
+    p.add_argument("--num-kv-blocks", type=int, default=_env("NUM_KV_BLOCKS", None, int))
+    p.add_argument("--max-num-seqs", type=int, default=_env("MAX_NUM_SEQS", 64, int))
+    p.add_argument("--max-queue", type=int, default=_env("MAX_QUEUE", 256, int), help="requests in flight before 429")
+    p.add_argument("--kv-transport", choices=list(_TRANSPORTS), default=_env("KV_TRANSPORT", "grpc"))
+    p.add_argument("--kv-failure-policy", choices=["recompute", "fail"], default=_env("KV_FAILURE_POLICY", "recompute"))
+    p.add_argument("--routing-policy", choices=["load", "round-robin", "prefix"], default=_env("ROUTING_POLICY", "load"))
+    p.add_argument("--drain-timeout", type=float, default=_env("DRAIN_TIMEOUT", 30.0, float))
+    p.add_argument("--ready-timeout", type=float, default=_env("READY_TIMEOUT", 600.0, float),
+                   help="seconds each worker may take to start")
+    p.set_defaults(func=run_serve)
+
+
+def _say(message: str) -> None:
+    print(f"[tandem serve] {message}", file=sys.stderr, flush=True)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    # Ray's control plane (which pickles) authenticated; Ray reads this when imported.
+    os.environ.setdefault("RAY_AUTH_MODE", "token")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    import ray
+
+    from engine.llm import EngineArgs, resolve_max_model_len
+    from engine.model_info import load_model_info
+    from router.policy import make_policy
+
+    policy = make_policy(args.routing_policy)  # a bad choice fails before anything starts
+    _say(f"loading {args.model} (fetched and converted on first use)")
+    chat_template = open(args.chat_template).read() if args.chat_template else None
+    info = load_model_info(args.model, chat_template)
+    max_model_len = resolve_max_model_len(info.arch, args.max_model_len)
+    engine = EngineArgs(model=str(info.model_dir), dtype=args.dtype, max_model_len=max_model_len,
+                        block_size=args.block_size, num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
+                        num_threads=args.worker_threads, chat_template=chat_template,
+                        served_model_name=args.served_model_name or args.model)
+    num_prefill = args.prefill_workers if args.mode == "disagg" else 0
+    started_ray = not args.ray_address
+    if started_ray:
+        ray.init(num_cpus=os.cpu_count(), resources={"prefill": max(num_prefill, 1), "decode": args.decode_workers},
+                 include_dashboard=False, logging_level="warning")
+    else:
+        ray.init(address=args.ray_address, logging_level="warning")
+    handles = []
+    try:
+        handles = _launch(engine, args, num_prefill)
+        return _serve_http(args, info, max_model_len, handles, policy)
+    finally:
+        for handle in handles:
+            ray.kill(handle.actor, no_restart=True)
+        if started_ray:
+            ray.shutdown()
+        _say("stopped")
+
+
+def _launch(engine, args, num_prefill: int) -> list:
+    from cluster.actors import Placement, launch_worker
+    from decode_worker.worker import DecodeWorkerConfig
+    from kv_transfer.worker_rpc import ServerConfig
+    from prefill_worker.worker import PrefillWorkerConfig
+
+    secret = os.environ.get("TANDEM_CLUSTER_SECRET") or secrets.token_urlsafe(32)
+    os.environ["TANDEM_CLUSTER_SECRET"] = secret  # the router's own calls carry it too
+    server = ServerConfig("", args.worker_port, secret)
+    policy = KVFailurePolicy(args.kv_failure_policy)
+    placement = Placement(ready_timeout_s=args.ready_timeout)
+    jobs = [("prefill", PrefillWorkerConfig(engine, server))] * num_prefill
+    jobs += [("decode", DecodeWorkerConfig(engine, server, kv_failure_policy=policy))] * args.decode_workers
+    _say(f"starting {num_prefill} prefill and {args.decode_workers} decode workers "
+         f"({args.worker_threads} threads each)")
+    start = time.monotonic()
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        handles = list(pool.map(lambda job: launch_worker(job[0], job[1], placement), jobs))
+    for handle in handles:
+        _say(f"{handle.role} worker ready at {handle.address}")
+    _say(f"workers ready in {time.monotonic() - start:.1f} s")
+    return handles
+
+
+def _serve_http(args, info, max_model_len: int, handles: list, policy) -> int:
+    import uvicorn
+
+    from router.app import build_app
+    from router.state import RouterConfig, RouterState
+    from router.workers import WorkerPool
+
+    config = RouterConfig(served_model_name=args.served_model_name or args.model, max_model_len=max_model_len,
+                          api_key=args.api_key, max_queue=args.max_queue, kv_transport=_TRANSPORTS[args.kv_transport],
+                          drain_timeout_s=args.drain_timeout)
+    pool = WorkerPool([h.address for h in handles if h.role == "decode"],
+                      [h.address for h in handles if h.role == "prefill"], os.environ["TANDEM_CLUSTER_SECRET"], policy)
+    state = RouterState(config, info, pool)
+
+    class DrainingServer(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:
+            if state.draining:  # a second signal: stop now
+                return super().handle_exit(sig, frame)
+            _say("draining: no new requests; waiting for those in flight")
+            state.draining = True
+            asyncio.get_running_loop().create_task(_drain(self, state))
+
+    async def main() -> None:
+        await pool.start()
+        server = DrainingServer(uvicorn.Config(build_app(state), host=args.host, port=args.port, log_level="warning",
+                                               timeout_graceful_shutdown=5))
+        serving = asyncio.create_task(server.serve())
+        while not server.started and not serving.done():
+            await asyncio.sleep(0.05)
+        if server.started:
+            _say(f"ready: http://{args.host}:{args.port}/v1 serving {config.served_model_name} ({args.mode})")
+        await serving
+        await pool.stop()
+
+    asyncio.run(main())
+    return 0
+
+
+async def _drain(server, state) -> None:
+    deadline = time.monotonic() + state.config.drain_timeout_s
+    while state.num_in_flight and time.monotonic() < deadline:
+        await asyncio.sleep(0.1)
+    if state.num_in_flight:
+        _say(f"drain timeout: aborting {state.num_in_flight} requests")
+        await state.dispatcher.abort_all()
+        settle = time.monotonic() + 10
+        while state.num_in_flight and time.monotonic() < settle:
+            await asyncio.sleep(0.05)
+    server.should_exit = True

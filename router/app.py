@@ -1,0 +1,162 @@
+"""The OpenAI-compatible HTTP gateway (FastAPI). Routes: /v1/completions,
+/v1/chat/completions, /v1/models, /tokenize, /detokenize, /version, /health, /ready, /metrics
+(and FastAPI's /openapi.json)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import time
+import uuid
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from router import errors
+from router.errors import APIError, error_response
+from router.openai_api import prepare_chat, prepare_completion, respond
+from router.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from router.state import RouterState
+
+logger = logging.getLogger("tandem.router")
+
+VERSION = "0.1.0"
+_OPEN_PATHS = {"/health", "/ready", "/metrics"}
+_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+
+
+def build_app(state: RouterState) -> FastAPI:
+    app = FastAPI(title="tandem", version=VERSION)
+    app.state.router = state
+    errors.install(app)
+    app.middleware("http")(_request_context)
+    app.add_middleware(_BodyLimit, max_bytes=state.config.max_body_bytes)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        state.admit()
+        try:
+            prepared = prepare_completion(state, body, request.state.request_id)
+        except BaseException:
+            state.num_in_flight -= 1
+            raise
+        return await respond(state, prepared, body.stream)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        state.admit()
+        try:
+            prepared = prepare_chat(state, body, request.state.request_id)
+        except BaseException:
+            state.num_in_flight -= 1
+            raise
+        return await respond(state, prepared, body.stream)
+
+    @app.get("/v1/models")
+    async def models():
+        card = {"id": state.config.served_model_name, "object": "model", "created": int(state.started),
+                "owned_by": "tandem", "root": state.config.served_model_name,
+                "max_model_len": state.config.max_model_len}
+        return {"object": "list", "data": [card]}
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest):
+        state.check_model(body.model)
+        tokenizer = state.tokenizer
+        if body.messages is not None:
+            conversation = [{"role": m.role, "content": m.text()} for m in body.messages]
+            text = tokenizer.apply_chat_template(conversation, body.add_generation_prompt)
+            tokens = tokenizer.encode(text, add_special_tokens=False)
+        else:
+            tokens = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        return {"count": len(tokens), "max_model_len": state.config.max_model_len, "tokens": tokens}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        state.check_model(body.model)
+        vocab = state.tokenizer.vocab_size
+        bad = [t for t in body.tokens if not 0 <= t < vocab]
+        if bad:
+            raise APIError(400, f"token ids must be in [0, {vocab}); got {bad[:5]}", "tokens")
+        return {"prompt": state.tokenizer.decode(body.tokens)}
+
+    @app.get("/version")
+    async def version():
+        return {"version": VERSION}
+
+    @app.get("/health")
+    async def health():
+        return Response(status_code=200)
+
+    @app.get("/ready")
+    async def ready():
+        if state.draining or not state.pool.is_ready:
+            return JSONResponse({"ready": False}, status_code=503)
+        return {"ready": True}
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(generate_latest(state.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+async def _request_context(request: Request, call_next):
+    """X-Request-Id in and out, the API key, and one structured log line per request."""
+    state: RouterState = request.app.state.router
+    given = request.headers.get("x-request-id")
+    request_id = given if given and _REQUEST_ID.match(given) else uuid.uuid4().hex
+    request.state.request_id = request_id
+    start = time.perf_counter()
+    if request.url.path not in _OPEN_PATHS and not state.check_key(request.headers.get("authorization")):
+        response = error_response(401, "invalid or missing API key (send Authorization: Bearer <key>)")
+    else:
+        response = await call_next(request)
+    response.headers["X-Request-Id"] = request_id
+    if request.url.path.startswith("/v1/"):
+        elapsed = time.perf_counter() - start
+        state.e2e_latency.observe(elapsed)
+        logger.info(json.dumps({"request_id": request_id, "method": request.method, "path": request.url.path,
+                                "status": response.status_code, "seconds": round(elapsed, 4)}))
+    return response
+
+
+class _BodyLimit:
+    """413 for bodies over the limit, whether or not they declare a Content-Length."""
+
+    def __init__(self, app, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope.get("headers", ())).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+            return await self._too_large(send)
+        seen = 0
+
+        async def limited_receive():
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.max_bytes:
+                    raise _TooLarge()
+            return message
+
+        try:
+            await self.app(scope, limited_receive, send)
+        except _TooLarge:
+            await self._too_large(send)
+
+    async def _too_large(self, send) -> None:
+        response = error_response(413, f"request body larger than {self.max_bytes} bytes")
+        await send({"type": "http.response.start", "status": 413, "headers": response.raw_headers})
+        await send({"type": "http.response.body", "body": response.body})
+
+
+class _TooLarge(Exception):
+    pass

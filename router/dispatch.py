@@ -1,0 +1,142 @@
+"""Running a request's sequences on the workers.
+
+One HTTP request becomes one or more sequences (prompts x n); each is a Generate stream on a
+decode worker (with a prefill worker as its KV source in disaggregated mode). A sequence
+that fails before its first token is retried once on another worker pair. Cancelling a
+sequence (client gone, drain deadline) cancels its gRPC call, and the decode worker then
+cancels its prefill: nothing stays behind on any worker."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import grpc
+
+from proto import worker_pb2 as pb
+from router.errors import APIError
+from router.workers import Assignment, WorkerPool
+
+_RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN,
+              grpc.StatusCode.DEADLINE_EXCEEDED}
+_HTTP_STATUS = {grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.RESOURCE_EXHAUSTED: 503,
+                grpc.StatusCode.UNAVAILABLE: 503, grpc.StatusCode.DEADLINE_EXCEEDED: 504}
+
+
+@dataclass(frozen=True, slots=True)
+class Sequence:
+    index: int  # choice index in the response
+    prompt_index: int  # which prompt of the request
+    request: pb.GenerateRequest  # prompt, params, request id; the prefill target is set per attempt
+
+
+@dataclass(frozen=True, slots=True)
+class SequenceChunk:
+    sequence: Sequence
+    chunk: pb.GenerateChunk
+
+
+@dataclass(frozen=True, slots=True)
+class SequenceFailed:
+    sequence: Sequence
+    error: APIError
+
+
+def api_error(exc: grpc.aio.AioRpcError) -> APIError:
+    return APIError(_HTTP_STATUS.get(exc.code(), 500), f"worker error ({exc.code().name}): {exc.details()}")
+
+
+class Dispatcher:
+    def __init__(self, pool: WorkerPool, kv_transport: int) -> None:
+        self.pool = pool
+        self.kv_transport = kv_transport
+        self.active: dict[str, str] = {}  # worker request id -> decode worker address (for drain aborts)
+
+    async def stream(self, sequence: Sequence) -> AsyncIterator[pb.GenerateChunk]:
+        tried: set[str] = set()
+        for attempt in range(2):
+            assignment = self.pool.assign(frozenset(tried))
+            if assignment is None:
+                raise APIError(503, "no healthy worker is available; try again shortly",
+                               headers={"Retry-After": "1"})
+            started = False
+            try:
+                async for chunk in self._attempt(sequence, assignment):
+                    started = True
+                    yield chunk
+                return
+            except grpc.aio.AioRpcError as exc:
+                if started or attempt == 1 or exc.code() not in _RETRYABLE:
+                    raise api_error(exc) from None
+                tried.add(assignment.decode.address)
+                if assignment.prefill is not None:
+                    tried.add(assignment.prefill.address)
+
+    async def _attempt(self, sequence: Sequence, assignment: Assignment) -> AsyncIterator[pb.GenerateChunk]:
+        request = pb.GenerateRequest()
+        request.CopyFrom(sequence.request)
+        decode, prefill = assignment.decode, assignment.prefill
+        num_prompt = len(request.prompt_token_ids)
+        if prefill is not None:
+            request.prefill.address = prefill.address
+            request.prefill.transport = self.kv_transport
+            prefill.in_flight += 1
+            prefill.prompt_tokens_in_flight += num_prompt
+        decode.in_flight += 1
+        self.active[request.request_id] = decode.address
+        call = self.pool.decode_stub(decode).Generate(request, metadata=self.pool.metadata)
+        prefilling = prefill is not None
+        try:
+            async for chunk in call:
+                if prefilling:  # the first token: the prefill worker is done with it
+                    prefilling = False
+                    prefill.in_flight -= 1
+                    prefill.prompt_tokens_in_flight -= num_prompt
+                yield chunk
+        finally:
+            call.cancel()  # no-op when it completed; otherwise the workers drop the request
+            decode.in_flight -= 1
+            self.active.pop(request.request_id, None)
+            if prefilling:
+                prefill.in_flight -= 1
+                prefill.prompt_tokens_in_flight -= num_prompt
+
+    async def merged(self, sequences: list[Sequence]) -> AsyncIterator[SequenceChunk | SequenceFailed]:
+        """All sequences at once, chunks in arrival order. Closing the iterator cancels them."""
+        queue: asyncio.Queue = asyncio.Queue()
+        done = object()
+
+        async def pump(sequence: Sequence) -> None:
+            try:
+                async for chunk in self.stream(sequence):
+                    queue.put_nowait(SequenceChunk(sequence, chunk))
+            except APIError as exc:
+                queue.put_nowait(SequenceFailed(sequence, exc))
+            finally:
+                queue.put_nowait(done)
+
+        tasks = [asyncio.create_task(pump(s)) for s in sequences]
+        remaining = len(tasks)
+        try:
+            while remaining:
+                item = await queue.get()
+                if item is done:
+                    remaining -= 1
+                else:
+                    yield item
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def abort_all(self) -> None:
+        """Drain deadline: ask every decode worker to abort what this router has running
+        there; their streams then end with finish_reason "abort"."""
+        calls = []
+        for request_id, address in list(self.active.items()):
+            worker = next((w for w in self.pool.decode if w.address == address), None)
+            if worker is not None:
+                calls.append(self.pool.decode_stub(worker).Abort(
+                    pb.AbortRequest(request_id=request_id), metadata=self.pool.metadata, timeout=5))
+        await asyncio.gather(*calls, return_exceptions=True)

@@ -1,0 +1,256 @@
+"""`/v1/completions` and `/v1/chat/completions`: tokenize, validate, fan out to sequences,
+and answer as OpenAI does (one JSON body, or SSE events ending with ``data: [DONE]``)."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from kv_transfer.worker_rpc import params_to_proto
+from proto import worker_pb2 as pb
+from router.dispatch import Sequence, SequenceChunk
+from router.errors import APIError, sse_error
+from router.protocol import ChatCompletionRequest, CompletionRequest
+from router.state import RouterState
+
+
+@dataclass(slots=True)
+class _Prepared:
+    """A validated request, ready to dispatch."""
+
+    kind: str  # "completion" | "chat"
+    response_id: str
+    prompt_ids: list[list[int]]  # per prompt
+    prompt_texts: list[str]  # per prompt (for echo)
+    sequences: list[Sequence]
+    num_top_logprobs: int | None  # per generated token, when asked
+    echo: bool = False
+    include_usage: bool = False
+    continuous_usage: bool = False
+
+
+@dataclass(slots=True)
+class _Choice:
+    index: int
+    prompt_index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[pb.PositionLogprobs] = field(default_factory=list)
+    prompt_logprobs: list[pb.PositionLogprobs] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+
+    def add(self, chunk: pb.GenerateChunk) -> None:
+        self.text += chunk.text_delta
+        self.token_ids += chunk.token_ids
+        self.logprobs += chunk.logprobs
+        self.prompt_logprobs += chunk.prompt_logprobs
+        self.num_cached_tokens = max(self.num_cached_tokens, chunk.num_cached_tokens)
+        if chunk.finish_reason:
+            self.finish_reason = chunk.finish_reason
+            kind = chunk.WhichOneof("stop_reason")
+            self.stop_reason = getattr(chunk, kind) if kind else None
+
+
+# -- preparing ----------------------------------------------------------------------------------
+def prepare_completion(state: RouterState, body: CompletionRequest, request_id: str) -> _Prepared:
+    state.check_model(body.model)
+    tokenizer = state.tokenizer
+    texts, ids = [], []
+    for prompt in body.prompts():
+        if isinstance(prompt, str):
+            texts.append(prompt)
+            ids.append(tokenizer.encode(prompt))
+        else:
+            texts.append(tokenizer.decode(prompt, skip_special_tokens=False))
+            ids.append(list(prompt))
+    prompt_logprobs = body.logprobs if body.echo and body.logprobs is not None else None
+    prepared = _Prepared("completion", f"cmpl-{request_id}", ids, texts, [], body.logprobs, echo=body.echo)
+    _finish_prepare(state, body, prepared, request_id, body.max_tokens, body.logprobs, prompt_logprobs)
+    return prepared
+
+
+def prepare_chat(state: RouterState, body: ChatCompletionRequest, request_id: str) -> _Prepared:
+    state.check_model(body.model)
+    try:
+        text = state.tokenizer.apply_chat_template(body.conversation(), body.add_generation_prompt)
+    except ValueError as exc:
+        raise APIError(400, str(exc), "messages") from None
+    ids = state.tokenizer.encode(text, add_special_tokens=False)  # the template wrote its own
+    num_top = (body.top_logprobs or 0) if body.logprobs else None
+    prepared = _Prepared("chat", f"chatcmpl-{request_id}", [ids], [text], [], num_top)
+    max_tokens = body.max_completion_tokens or body.max_tokens
+    _finish_prepare(state, body, prepared, request_id, max_tokens, num_top, None)
+    return prepared
+
+
+def _finish_prepare(state: RouterState, body, prepared: _Prepared, request_id: str, max_tokens: int | None,
+                    logprobs: int | None, prompt_logprobs: int | None) -> None:
+    if body.n > state.config.max_n:
+        raise APIError(400, f"n is {body.n}; this server allows at most {state.config.max_n}", "n")
+    limit = state.config.max_model_len
+    for ids in prepared.prompt_ids:
+        if not ids:
+            raise APIError(400, "the prompt is empty", "prompt")
+        wanted = len(ids) + (max_tokens or 1)
+        if wanted > limit or len(ids) >= limit:
+            raise APIError(400, f"This model's maximum context length is {limit} tokens. However, you requested "
+                                f"{wanted} tokens ({len(ids)} in the messages, {max_tokens or 1} in the completion). "
+                                "Please reduce the length of the messages or completion.", "messages")
+    try:
+        params = body.sampling_params(state.generation, max_tokens, logprobs, prompt_logprobs)
+    except ValueError as exc:
+        raise APIError(400, str(exc)) from None
+    if body.stream_options is not None:
+        prepared.include_usage = body.stream_options.include_usage
+        prepared.continuous_usage = body.stream_options.continuous_usage_stats
+    index = 0
+    for prompt_index, ids in enumerate(prepared.prompt_ids):
+        for sample in range(body.n):
+            # as LLM.generate fans out n: each sample of a seeded request gets seed + its index
+            seed = params.seed + sample if params.seed is not None and params.n > 1 else params.seed
+            message = pb.GenerateRequest(request_id=f"{request_id}-{index}", prompt_token_ids=ids,
+                                         params=params_to_proto(params.with_overrides(n=1, seed=seed)),
+                                         cache_salt="")
+            prepared.sequences.append(Sequence(index, prompt_index, message))
+            index += 1
+
+
+# -- answering ----------------------------------------------------------------------------------
+async def respond(state: RouterState, prepared: _Prepared, stream: bool):
+    if stream:
+        return StreamingResponse(_sse(state, prepared), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
+    choices = {s.index: _Choice(s.index, s.prompt_index) for s in prepared.sequences}
+    try:
+        async for item in state.dispatcher.merged(prepared.sequences):
+            if not isinstance(item, SequenceChunk):
+                raise item.error
+            choices[item.sequence.index].add(item.chunk)
+    finally:
+        state.finish_request(prepared, choices.values())
+    body = {
+        "id": prepared.response_id, "object": "text_completion" if prepared.kind == "completion" else "chat.completion",
+        "created": int(time.time()), "model": state.config.served_model_name,
+        "choices": [_full_choice(prepared, c) for c in sorted(choices.values(), key=lambda c: c.index)],
+        "usage": _usage(prepared, choices.values()),
+    }
+    return JSONResponse(body)
+
+
+def _full_choice(prepared: _Prepared, choice: _Choice) -> dict:
+    if prepared.kind == "chat":
+        return {"index": choice.index, "message": {"role": "assistant", "content": choice.text},
+                "logprobs": _chat_logprobs(choice.logprobs, prepared.num_top_logprobs),
+                "finish_reason": choice.finish_reason, "stop_reason": choice.stop_reason}
+    text, positions = choice.text, list(choice.logprobs)
+    if prepared.echo:
+        text = prepared.prompt_texts[choice.prompt_index] + text
+        positions = list(choice.prompt_logprobs) + positions
+    return {"index": choice.index, "text": text,
+            "logprobs": _completion_logprobs(positions, prepared.num_top_logprobs),
+            "finish_reason": choice.finish_reason, "stop_reason": choice.stop_reason}
+
+
+async def _sse(state: RouterState, prepared: _Prepared) -> AsyncIterator[str]:
+    choices = {s.index: _Choice(s.index, s.prompt_index) for s in prepared.sequences}
+    created = int(time.time())
+    echoed: set[int] = set()
+    try:
+        async for item in state.dispatcher.merged(prepared.sequences):
+            if not isinstance(item, SequenceChunk):
+                yield sse_error(item.error.status, item.error.message)
+                break
+            choice = choices[item.sequence.index]
+            first = not choice.token_ids and not choice.finish_reason
+            choice.add(item.chunk)
+            event = _stream_choice(prepared, choice, item.chunk, first, echoed)
+            payload = {"id": prepared.response_id, "created": created, "model": state.config.served_model_name,
+                       "object": "text_completion" if prepared.kind == "completion" else "chat.completion.chunk",
+                       "choices": [event]}
+            if prepared.continuous_usage:
+                payload["usage"] = _usage(prepared, choices.values())
+            yield f"data: {json.dumps(payload)}\n\n"
+        else:
+            if prepared.include_usage:
+                payload = {"id": prepared.response_id, "created": created, "model": state.config.served_model_name,
+                           "object": "text_completion" if prepared.kind == "completion" else "chat.completion.chunk",
+                           "choices": [], "usage": _usage(prepared, choices.values())}
+                yield f"data: {json.dumps(payload)}\n\n"
+        yield "data: [DONE]\n\n"
+    finally:
+        state.finish_request(prepared, choices.values())
+
+
+def _stream_choice(prepared: _Prepared, choice: _Choice, chunk: pb.GenerateChunk, first: bool,
+                   echoed: set[int]) -> dict:
+    finish = chunk.finish_reason or None
+    stop = choice.stop_reason if finish else None
+    if prepared.kind == "chat":
+        delta = {"content": chunk.text_delta}
+        if first:
+            delta["role"] = "assistant"
+        return {"index": choice.index, "delta": delta, "finish_reason": finish, "stop_reason": stop,
+                "logprobs": _chat_logprobs(list(chunk.logprobs), prepared.num_top_logprobs)}
+    text, positions = chunk.text_delta, list(chunk.logprobs)
+    if prepared.echo and choice.index not in echoed:
+        echoed.add(choice.index)
+        text = prepared.prompt_texts[choice.prompt_index] + text
+        positions = list(chunk.prompt_logprobs) + positions
+    return {"index": choice.index, "text": text, "finish_reason": finish, "stop_reason": stop,
+            "logprobs": _completion_logprobs(positions, prepared.num_top_logprobs)}
+
+
+def _usage(prepared: _Prepared, choices) -> dict:
+    choices = list(choices)
+    prompt_tokens = sum(len(ids) for ids in prepared.prompt_ids)
+    cached = {}
+    for choice in choices:
+        cached[choice.prompt_index] = max(cached.get(choice.prompt_index, 0), choice.num_cached_tokens)
+    completion_tokens = sum(len(c.token_ids) for c in choices)
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": sum(cached.values())}}
+
+
+def _top(position: pb.PositionLogprobs, num_top: int) -> list[pb.TokenLogprob]:
+    return sorted(position.entries, key=lambda e: e.rank)[:num_top]
+
+
+def _completion_logprobs(positions: list[pb.PositionLogprobs], num_top: int | None) -> dict | None:
+    if num_top is None:
+        return None
+    tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
+    offset = 0
+    for position in positions:
+        if not position.entries:  # the first prompt token: nothing scores it
+            tokens.append("")
+            token_logprobs.append(None)
+            top_logprobs.append(None)
+        else:
+            chosen = position.entries[0]
+            tokens.append(chosen.decoded_token)
+            token_logprobs.append(chosen.logprob)
+            top_logprobs.append({e.decoded_token: e.logprob for e in _top(position, num_top)} if num_top else None)
+        offsets.append(offset)
+        offset += len(tokens[-1])
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs, "text_offset": offsets}
+
+
+def _chat_logprobs(positions: list[pb.PositionLogprobs], num_top: int | None) -> dict | None:
+    if num_top is None:
+        return None
+    content = []
+    for position in positions:
+        chosen = position.entries[0]
+        content.append({
+            "token": chosen.decoded_token, "logprob": chosen.logprob, "bytes": list(chosen.decoded_token.encode()),
+            "top_logprobs": [{"token": e.decoded_token, "logprob": e.logprob, "bytes": list(e.decoded_token.encode())}
+                             for e in _top(position, num_top)],
+        })
+    return {"content": content}

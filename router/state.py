@@ -1,0 +1,115 @@
+"""What the gateway holds: its configuration, the model's tokenizer and defaults, the worker
+pool and dispatcher, admission (in-flight limit, draining) and metrics."""
+
+from __future__ import annotations
+
+import hmac
+import time
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily
+
+from engine.model_info import ModelInfo
+from proto import worker_pb2 as pb
+from router.dispatch import Dispatcher
+from router.errors import APIError
+from router.workers import WorkerPool
+
+
+@dataclass(frozen=True, slots=True)
+class RouterConfig:
+    served_model_name: str
+    max_model_len: int
+    api_key: str | None = None  # --api-key: required on every route but health, ready, metrics
+    max_queue: int = 256  # --max-queue: requests in flight before new ones get 429
+    max_n: int = 16  # choices per request
+    max_body_bytes: int = 16 << 20  # larger bodies get 413
+    kv_transport: int = pb.KV_TRANSPORT_GRPC  # --kv-transport for disaggregated requests
+    drain_timeout_s: float = 30.0  # --drain-timeout
+
+    def __post_init__(self) -> None:
+        if self.max_queue < 1 or self.max_n < 1 or self.max_model_len < 2:
+            raise ValueError("max_queue and max_n must be >= 1, max_model_len >= 2")
+
+
+class RouterState:
+    def __init__(self, config: RouterConfig, info: ModelInfo, pool: WorkerPool) -> None:
+        self.config = config
+        self.tokenizer = info.tokenizer
+        self.generation = info.generation
+        self.pool = pool
+        self.dispatcher = Dispatcher(pool, config.kv_transport)
+        self.draining = False
+        self.num_in_flight = 0
+        self.started = time.time()
+        self.registry = CollectorRegistry()
+        self._metrics(self.registry)
+
+    # -- admission ----------------------------------------------------------------------------
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.config.served_model_name:
+            raise APIError(404, f"The model `{model}` does not exist.", "model")
+
+    def check_key(self, authorization: str | None) -> bool:
+        if self.config.api_key is None:
+            return True
+        sent = (authorization or "").removeprefix("Bearer ").strip()
+        return hmac.compare_digest(sent.encode(), self.config.api_key.encode())
+
+    def admit(self) -> None:
+        """A generation request may start (or an APIError says why not)."""
+        if self.draining:
+            raise APIError(503, "the server is shutting down", headers={"Retry-After": "5"})
+        if not self.pool.is_ready:
+            raise APIError(503, "no healthy worker is available; try again shortly", headers={"Retry-After": "1"})
+        if self.num_in_flight >= self.config.max_queue:
+            raise APIError(429, f"too many requests in flight (--max-queue {self.config.max_queue}); retry later",
+                           headers={"Retry-After": "1"})
+        self.num_in_flight += 1
+        self._running.set(self.num_in_flight)
+
+    def finish_request(self, prepared, choices) -> None:
+        self.num_in_flight -= 1
+        self._running.set(self.num_in_flight)
+        choices = list(choices)
+        self._prompt_tokens.inc(sum(len(ids) for ids in prepared.prompt_ids))
+        self._generation_tokens.inc(sum(len(c.token_ids) for c in choices))
+        for choice in choices:
+            self._finished.labels(choice.finish_reason or "error").inc()
+
+    # -- metrics ------------------------------------------------------------------------------
+    def _metrics(self, registry: CollectorRegistry) -> None:
+        self._running = Gauge("tandem:num_requests_running", "Requests in flight at the router", registry=registry)
+        self._prompt_tokens = Counter("tandem:prompt_tokens", "Prompt tokens of finished requests", registry=registry)
+        self._generation_tokens = Counter("tandem:generation_tokens", "Tokens generated for finished requests",
+                                          registry=registry)
+        self._finished = Counter("tandem:request_success", "Finished sequences by finish reason", ["finish_reason"],
+                                 registry=registry)
+        self.e2e_latency = Histogram("tandem:e2e_request_latency_seconds", "Request latency at the router",
+                                     registry=registry)
+        registry.register(_WorkerCollector(self.pool))
+
+
+class _WorkerCollector:
+    """Each worker's last Stats, as gauges labelled by role and address (read at scrape)."""
+
+    _FIELDS = ("num_free_kv_blocks", "num_kv_blocks", "num_running", "num_waiting", "num_waiting_for_remote_kv",
+               "num_prompt_tokens_computed", "num_generation_tokens", "kv_bytes_received", "kv_bytes_sent",
+               "num_kv_recomputed", "num_kv_failed")
+
+    def __init__(self, pool: WorkerPool) -> None:
+        self._pool = pool
+
+    def collect(self):
+        families = {name: GaugeMetricFamily(f"tandem:worker_{name}", f"worker Stats field {name}",
+                                            labels=["role", "address"]) for name in self._FIELDS}
+        healthy = GaugeMetricFamily("tandem:worker_healthy", "1 when the worker answered its last Stats",
+                                    labels=["role", "address"])
+        for worker in self._pool.decode + self._pool.prefill:
+            healthy.add_metric([worker.role, worker.address], 1.0 if worker.healthy else 0.0)
+            if worker.stats is not None:
+                for name, family in families.items():
+                    family.add_metric([worker.role, worker.address], float(getattr(worker.stats, name)))
+        yield healthy
+        yield from families.values()

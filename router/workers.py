@@ -1,0 +1,102 @@
+"""The router's pool of workers: their gRPC stubs, health (a Stats call every
+``poll_interval_s``; a worker that fails it is out of routing until it answers again), and
+the choice of a decode worker and, in disaggregated mode, a prefill worker per request."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+
+import grpc
+
+from kv_transfer.worker_rpc import CHANNEL_OPTIONS, secret_metadata
+from proto import worker_pb2 as pb
+from proto import worker_pb2_grpc as pb_grpc
+from router.policy import RoutingPolicy, WorkerView
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Assignment:
+    decode: WorkerView
+    prefill: WorkerView | None  # None: the decode worker prefills (colocated)
+
+
+class WorkerPool:
+    def __init__(self, decode_addresses: list[str], prefill_addresses: list[str], secret: str,
+                 policy: RoutingPolicy, poll_interval_s: float = 0.5, stats_timeout_s: float = 2.0) -> None:
+        self.decode = [WorkerView("decode", a) for a in decode_addresses]
+        self.prefill = [WorkerView("prefill", a) for a in prefill_addresses]
+        self.metadata = secret_metadata(secret)
+        self._policy = policy
+        self._poll_interval_s = poll_interval_s
+        self._stats_timeout_s = stats_timeout_s
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._task: asyncio.Task | None = None
+
+    # -- stubs --------------------------------------------------------------------------------
+    def _channel(self, address: str) -> grpc.aio.Channel:
+        if address not in self._channels:
+            self._channels[address] = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        return self._channels[address]
+
+    def decode_stub(self, worker: WorkerView) -> pb_grpc.DecodeWorkerStub:
+        return pb_grpc.DecodeWorkerStub(self._channel(worker.address))
+
+    def _stats_call(self, worker: WorkerView):
+        channel = self._channel(worker.address)
+        stub = pb_grpc.DecodeWorkerStub(channel) if worker.role == "decode" else pb_grpc.PrefillWorkerStub(channel)
+        return stub.Stats(pb.StatsRequest(), metadata=self.metadata, timeout=self._stats_timeout_s)
+
+    # -- health -------------------------------------------------------------------------------
+    async def start(self) -> None:
+        await self.poll_once()
+        self._task = asyncio.create_task(self._poll_forever())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+        for channel in self._channels.values():
+            await channel.close()
+
+    async def _poll_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self._poll_interval_s)
+            await self.poll_once()
+
+    async def poll_once(self) -> None:
+        workers = self.decode + self.prefill
+        results = await asyncio.gather(*(self._stats_call(w) for w in workers), return_exceptions=True)
+        for worker, result in zip(workers, results):
+            if isinstance(result, pb.WorkerStats):
+                if not worker.healthy:
+                    logger.info("%s worker %s is healthy", worker.role, worker.address)
+                worker.healthy, worker.stats, worker.failures = True, result, 0
+            else:
+                worker.failures += 1
+                if worker.healthy:
+                    logger.warning("%s worker %s is out of routing: %s", worker.role, worker.address, result)
+                worker.healthy = False
+
+    def mark_failed(self, worker: WorkerView) -> None:
+        """A call to it failed: out of routing until its next good Stats."""
+        worker.healthy = False
+
+    @property
+    def is_ready(self) -> bool:
+        return any(w.healthy for w in self.decode) and (not self.prefill or any(w.healthy for w in self.prefill))
+
+    # -- dispatch -----------------------------------------------------------------------------
+    def assign(self, exclude: frozenset[str] = frozenset()) -> Assignment | None:
+        """A decode worker and (disaggregated) a prefill worker, avoiding ``exclude`` addresses."""
+        decode = self._policy.pick([w for w in self.decode if w.address not in exclude])
+        if decode is None:
+            return None
+        if not self.prefill:
+            return Assignment(decode, None)
+        prefill = self._policy.pick([w for w in self.prefill if w.address not in exclude])
+        if prefill is None:
+            return None
+        return Assignment(decode, prefill)
