@@ -56,6 +56,7 @@ class EngineCounters:
     num_generation_tokens: int = 0  # tokens emitted (first tokens from remote prefill included)
     num_kv_recomputed: int = 0  # remote KV failed or expired; the prompt was prefilled here
     num_kv_failed: int = 0  # remote KV failed or expired under the fail policy
+    max_num_running: int = 0  # most sequences scheduled in one step
 
 
 class EngineCore:
@@ -204,6 +205,7 @@ class EngineCore:
         if not scheduled.seqs:
             return failed_outputs
         self._count_prompt_tokens(scheduled)
+        self.counters.max_num_running = max(self.counters.max_num_running, len(scheduled.seqs))
         try:
             runner_output = self.runner.execute(scheduled)
         except Exception:

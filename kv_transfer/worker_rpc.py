@@ -173,5 +173,5 @@ def worker_stats(core: EngineCore, role: str, address: str, kv_bytes_sent: int =
         num_generation_tokens=counters.num_generation_tokens,
         kv_bytes_received=core.kv_importer.num_bytes_received, kv_bytes_sent=kv_bytes_sent,
         num_kv_recomputed=counters.num_kv_recomputed, num_kv_failed=counters.num_kv_failed,
-        num_held_transfers=num_held_transfers,
+        num_held_transfers=num_held_transfers, max_num_running=counters.max_num_running,
     )

@@ -96,7 +96,7 @@ class _WorkerCollector:
 
     _FIELDS = ("num_free_kv_blocks", "num_kv_blocks", "num_running", "num_waiting", "num_waiting_for_remote_kv",
                "num_prompt_tokens_computed", "num_generation_tokens", "kv_bytes_received", "kv_bytes_sent",
-               "num_kv_recomputed", "num_kv_failed")
+               "num_kv_recomputed", "num_kv_failed", "max_num_running")
 
     def __init__(self, pool: WorkerPool) -> None:
         self._pool = pool

@@ -54,17 +54,31 @@ def assert_same_as_engine_reference(ours: list[int], reference, stats: EqualityS
     """The token-equality rule against another engine run (a CompletionOutput generated
     greedily with ``logprobs>=2``): its two best logprobs give the reference's top-2 logit
     gap at each position (log_softmax preserves differences)."""
+    _compare_with_gaps(ours, list(reference.token_ids), _reference_gaps(reference), stats, label)
+
+
+def assert_same_tokens_as_text(ours: list[str], reference, stats: EqualityStats, label=""):
+    """The same rule when only each token's text is known (the OpenAI API's logprobs)."""
+    texts = [entry[token_id].decoded_token for entry, token_id in zip(reference.logprobs, reference.token_ids)]
+    _compare_with_gaps(ours, texts, _reference_gaps(reference), stats, label)
+
+
+def _reference_gaps(reference) -> list[float]:
     gaps = []
     for entry in reference.logprobs:
         best = sorted((lp.logprob for lp in entry.values()), reverse=True)
         gaps.append(best[0] - best[1])
+    return gaps
+
+
+def _compare_with_gaps(ours: list, theirs: list, gaps: list[float], stats: EqualityStats, label: str) -> None:
     stats.compared += 1
-    for position, (mine, theirs) in enumerate(zip(ours, reference.token_ids)):
-        if mine != theirs:
+    for position, (mine, ref) in enumerate(zip(ours, theirs)):
+        if mine != ref:
             assert gaps[position] < TIE_MARGIN, (
-                f"{label}: diverged at position {position} (ours {mine}, reference {theirs}); "
+                f"{label}: diverged at position {position} (ours {mine!r}, reference {ref!r}); "
                 f"reference top-2 gap {gaps[position]:.2e} is not a near-tie"
             )
             stats.near_ties += 1
             return
-    assert len(ours) == len(reference.token_ids), f"{label}: {len(ours)} vs {len(reference.token_ids)} tokens"
+    assert len(ours) == len(theirs), f"{label}: {len(ours)} vs {len(theirs)} tokens"

@@ -1,0 +1,210 @@
+"""A live `tandem serve` (real Ray actors, real gRPC, real HTTP) in both modes, driven by the
+official `openai` package and raw HTTP. Outputs are compared with `LLM.generate` / `LLM.chat`
+under DESIGN.md's token-equality rule."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import time
+
+import httpx
+import openai
+import psutil
+import pytest
+
+from engine import SamplingParams
+from tests.reference import EqualityStats, assert_same_tokens_as_text
+from tests.router.conftest import start_server
+from tests.workers import wait_until
+
+QUESTIONS = ["What is the capital of France?", "Name three colours of the rainbow.",
+             "Write one sentence about the sea.", "What is two plus two?", "Who wrote Hamlet?"]
+
+
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key=server.api_key or "unused", max_retries=0,
+                         timeout=120)
+
+
+def chat_reference(llm, question: str, max_tokens: int):
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=2)
+    return llm.chat([{"role": "user", "content": question}], params)[0]
+
+
+@pytest.mark.parametrize("mode", ["disagg", "colocated"])
+def test_openai_client_chat_and_completions_equal_llm(mode, request, llm):
+    server = request.getfixturevalue(f"{mode}_server")
+    api = client(server)
+    worker = "prefill" if mode == "disagg" else "decode"
+    computed_before = server.metric("num_prompt_tokens_computed", worker)
+    decode_computed_before = server.metric("num_prompt_tokens_computed", "decode")
+    stats = EqualityStats()
+
+    # chat, not streamed, with logprobs: tokens compared one by one
+    for question in QUESTIONS[:2]:
+        reference = chat_reference(llm, f"[{mode}] {question}", 24)
+        answer = api.chat.completions.create(model="smollm2-135m-instruct", temperature=0, max_tokens=24, logprobs=True,
+                                             top_logprobs=2, messages=[{"role": "user", "content": f"[{mode}] {question}"}])
+        tokens = [entry.token for entry in answer.choices[0].logprobs.content]
+        assert_same_tokens_as_text(tokens, reference.outputs[0], stats, label=question)
+        assert answer.usage.completion_tokens == len(tokens) == len(reference.outputs[0].token_ids)
+        assert answer.usage.prompt_tokens == len(reference.prompt_token_ids)
+        assert answer.choices[0].finish_reason == reference.outputs[0].finish_reason
+        assert answer.choices[0].message.content == reference.outputs[0].text
+
+    # the same, streamed: the first event carries the first token; the text is the same
+    reference = chat_reference(llm, f"[{mode}] {QUESTIONS[2]}", 24)
+    events = list(api.chat.completions.create(
+        model="smollm2-135m-instruct", temperature=0, max_tokens=24, stream=True,
+        stream_options={"include_usage": True}, messages=[{"role": "user", "content": f"[{mode}] {QUESTIONS[2]}"}]))
+    assert events[0].choices[0].delta.role == "assistant" and events[0].choices[0].delta.content
+    assert "".join(e.choices[0].delta.content or "" for e in events if e.choices) == reference.outputs[0].text
+    assert events[-1].usage.completion_tokens == len(reference.outputs[0].token_ids)
+
+    # completions with a list of prompts
+    prompts = [f"[{mode}] The sea is", f"[{mode}] Once upon a time"]
+    completion = api.completions.create(model="smollm2-135m-instruct", prompt=prompts, max_tokens=12, temperature=0,
+                                        logprobs=2)
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, logprobs=2)
+    for choice, ref in zip(sorted(completion.choices, key=lambda c: c.index), llm.generate(prompts, greedy)):
+        assert_same_tokens_as_text(choice.logprobs.tokens, ref.outputs[0], stats, label=choice.text)
+    assert completion.usage.prompt_tokens == sum(len(llm.get_tokenizer().encode(p)) for p in prompts)
+    print(f"token-equality: {stats.compared} sequences, near-tie rule fired {stats.near_ties} times")
+    assert stats.near_ties <= 1
+
+    # the workers did the work: the prompt was computed where the mode says
+    wait_until(lambda: server.metric("num_prompt_tokens_computed", worker) > computed_before, what="worker Stats")
+    if mode == "disagg":
+        assert server.metric("num_prompt_tokens_computed", "decode") == decode_computed_before
+        assert server.metric("kv_bytes_received", "decode") > 0
+
+
+def test_error_cases_over_raw_http(disagg_server, colocated_server):
+    url = disagg_server.base_url
+    post = lambda path, body, **kw: httpx.post(f"{url}{path}", json=body, timeout=30, **kw)  # noqa: E731
+    cases = [
+        ({"model": "smollm2-135m-instruct", "prompt": "x", "max_tokens": "many"}, 400, "max_tokens"),
+        ({"model": "smollm2-135m-instruct", "prompt": "x", "colour": "blue"}, 400, "unknown field 'colour'"),
+        ({"model": "smollm2-135m-instruct", "prompt": "x", "logit_bias": {"1": 5}}, 400, "'logit_bias' is not supported"),
+        ({"model": "smollm2-135m-instruct", "prompt": "x", "n": 99}, 400, "at most"),
+        ({"model": "smollm2-135m-instruct", "prompt": "x", "max_tokens": 5000}, 400, "maximum context length is 1024"),
+        ({"model": "smollm2-135m-instruct", "prompt": "word " * 1100}, 400, "maximum context length is 1024"),
+        ({"model": "no-such-model", "prompt": "x"}, 404, "does not exist"),
+    ]
+    for body, status, message in cases:
+        response = post("/v1/completions", body)
+        assert response.status_code == status, (body, response.text)
+        error = response.json()["error"]
+        assert message in error["message"] and error["code"] == status and error["type"], error
+    chat_tools = {"model": "smollm2-135m-instruct", "messages": [{"role": "user", "content": "hi"}], "tools": []}
+    assert "'tools' is not supported" in post("/v1/chat/completions", chat_tools).json()["error"]["message"]
+    huge = post("/v1/completions", {"model": "smollm2-135m-instruct", "prompt": "x" * (17 << 20)})
+    assert huge.status_code == 413 and "larger than" in huge.json()["error"]["message"]
+    # a key is required on the server started with --api-key (but not for health/ready/metrics)
+    keyed = colocated_server.base_url
+    assert httpx.get(f"{keyed}/v1/models", timeout=10).status_code == 401
+    assert httpx.get(f"{keyed}/v1/models", headers={"Authorization": "Bearer wrong"}, timeout=10).status_code == 401
+    assert httpx.get(f"{keyed}/health", timeout=10).status_code == 200
+    models = httpx.get(f"{keyed}/v1/models", headers=colocated_server.headers, timeout=10).json()
+    assert models["data"][0]["id"] == "smollm2-135m-instruct" and models["data"][0]["max_model_len"] == 1024
+    # X-Request-Id is returned as given
+    response = post("/v1/completions", {"model": "smollm2-135m-instruct", "prompt": "Hi", "max_tokens": 2},
+                    headers={"X-Request-Id": "trace-me-123"})
+    assert response.status_code == 200 and response.headers["x-request-id"] == "trace-me-123"
+    # tokenize / detokenize / version / ready
+    tokens = post("/tokenize", {"model": "smollm2-135m-instruct", "prompt": "Hello world"}).json()
+    assert tokens["count"] == len(tokens["tokens"]) and tokens["max_model_len"] == 1024
+    assert post("/detokenize", {"model": "smollm2-135m-instruct", "tokens": tokens["tokens"]}).json()["prompt"] == \
+        "Hello world"
+    chat_count = post("/tokenize", {"messages": [{"role": "user", "content": "Hello"}]}).json()["count"]
+    assert chat_count > tokens["count"]  # the chat template's tokens are counted
+    assert httpx.get(f"{url}/version", timeout=10).json()["version"]
+    assert httpx.get(f"{url}/ready", timeout=10).json() == {"ready": True}
+    assert httpx.get(f"{url}/openapi.json", timeout=10).status_code == 200
+    # and it still serves correctly afterwards
+    answer = client(disagg_server).completions.create(model="smollm2-135m-instruct", prompt="The capital of France is",
+                                                      max_tokens=3, temperature=0)
+    assert answer.choices[0].text and answer.usage.completion_tokens == 3
+
+
+def test_admission_limit_gives_429_with_retry_after(colocated_server):
+    """--max-queue 3 on this server: a fourth request while three stream is refused."""
+    url, headers = colocated_server.base_url, colocated_server.headers
+    body = {"model": "smollm2-135m-instruct", "prompt": "Count:", "max_tokens": 400, "ignore_eos": True, "stream": True}
+    with httpx.Client(timeout=60, headers=headers) as http:
+        streams = [http.stream("POST", f"{url}/v1/completions", json=body) for _ in range(3)]
+        lines = [s.__enter__().iter_lines() for s in streams]  # kept: a dropped iterator closes its stream
+        for stream_lines in lines:
+            next(stream_lines)  # each is in flight
+        refused = http.post(f"{url}/v1/completions", json={**body, "stream": False, "max_tokens": 2})
+        for stream in streams:
+            stream.__exit__(None, None, None)
+    assert refused.status_code == 429 and refused.headers["retry-after"]
+    assert "max-queue" in refused.json()["error"]["message"]
+
+
+def test_client_disconnect_cuts_the_request_short_everywhere(disagg_server):
+    server = disagg_server
+    decoded_before = server.metric("num_generation_tokens", "decode")
+    body = {"model": "smollm2-135m-instruct", "prompt": "Tell me a very long story.", "max_tokens": 900,
+            "ignore_eos": True, "stream": True}
+    with httpx.Client(timeout=60) as http, http.stream("POST", f"{server.base_url}/v1/completions", json=body) as r:
+        lines = r.iter_lines()
+        received = [next(lines) for _ in range(6)]  # a few events, then the client goes away
+    assert any(line.startswith("data: ") for line in received)
+    for role in ("decode", "prefill"):
+        wait_until(lambda: server.metric("num_free_kv_blocks", role) == server.metric("num_kv_blocks", role)
+                   and server.metric("num_running", role) == 0, what=f"{role} worker idle and free")
+    time.sleep(1)  # let a request that was not cut short run on, so the check below can fail
+    decoded = server.metric("num_generation_tokens", "decode") - decoded_before
+    assert 0 < decoded < 300, f"the request ran on after the disconnect ({decoded} tokens)"
+
+
+def test_fifty_concurrent_streams(disagg_server, llm):
+    references = {q: chat_reference(llm, q, 8).outputs[0].text for q in QUESTIONS}
+    api = openai.AsyncOpenAI(base_url=f"{disagg_server.base_url}/v1", api_key="unused", max_retries=0, timeout=300)
+
+    async def one(question: str) -> str:
+        stream = await api.chat.completions.create(model="smollm2-135m-instruct", temperature=0, max_tokens=8,
+                                                   stream=True, messages=[{"role": "user", "content": question}])
+        return "".join([e.choices[0].delta.content or "" async for e in stream if e.choices])
+
+    async def run_all():
+        questions = [QUESTIONS[i % len(QUESTIONS)] for i in range(50)]
+        return questions, await asyncio.gather(*(one(q) for q in questions))
+
+    questions, answers = asyncio.run(run_all())
+    wrong = [(q, a) for q, a in zip(questions, answers) if a != references[q]]
+    assert not wrong, f"{len(wrong)} of 50 differ, e.g. {wrong[0]}"
+    wait_until(lambda: disagg_server.metric("max_num_running", "decode") > 1, what="worker Stats")
+    assert disagg_server.metric("max_num_running", "decode") >= 8  # they really ran together
+
+
+def test_sigterm_drains_and_leaves_no_process(smollm_dir):
+    server = start_server(smollm_dir, "colocated", "--drain-timeout", "2")
+    try:
+        children = server.descendants()
+        assert children, "tandem serve started no processes?"
+        body = {"model": "smollm2-135m-instruct", "prompt": "Count slowly:", "max_tokens": 900, "ignore_eos": True,
+                "stream": True}
+        with httpx.Client(timeout=60) as http, http.stream("POST", f"{server.base_url}/v1/completions", json=body) as r:
+            lines = r.iter_lines()
+            next(lines)
+            server.process.send_signal(signal.SIGTERM)
+            wait_until(lambda: any("draining" in line for line in server.log), what="the drain to begin")
+            late = httpx.post(f"{server.base_url}/v1/completions", json={**body, "stream": False}, timeout=10)
+            assert late.status_code == 503
+            assert httpx.get(f"{server.base_url}/ready", timeout=10).status_code == 503
+            events = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
+        assert events[-1]["choices"][0]["finish_reason"] in ("abort", "length")
+        assert server.process.wait(60) == 0
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+                                                  for p in children):
+            time.sleep(0.2)
+        alive = [p for p in children if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+        assert not alive, f"left behind: {[p.name() for p in alive]}"
+    finally:
+        server.stop()
