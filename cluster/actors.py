@@ -46,8 +46,8 @@ class WorkerActor:
         return os.getpid()
 
     def stats(self) -> bytes:
-        """A serialized WorkerStats (read on the engine thread)."""
-        return self.worker.engine_loop.call(self.worker.stats).result(30).SerializeToString()
+        """A serialized WorkerStats."""
+        return self.worker.stats().SerializeToString()
 
     def arm_kv_pause(self, after_frames: int) -> None:
         """Test hook (prefill): hold the next transfer's sender after ``after_frames`` frames."""

@@ -82,6 +82,15 @@ def _cmd_bench_kv_transfer(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_bench_router(args: argparse.Namespace) -> int:
+    from bench.router_bench import render_router, router_overhead
+
+    rows = router_overhead(args.model, [int(c) for c in args.concurrency.split(",")], args.max_tokens, args.threads,
+                          args.rounds)
+    print(render_router(rows, args.threads, args.max_tokens))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     from engine.models.registry import DEFAULT_MODEL
 
@@ -131,6 +140,13 @@ def build_parser() -> argparse.ArgumentParser:
                           help="rounds of disaggregated vs colocated time to first token (0 skips)")
     transfer.add_argument("--threads", type=int, default=2)
     transfer.set_defaults(func=_cmd_bench_kv_transfer)
+    router = bench_cmds.add_parser("router", help="per-token latency the HTTP gateway adds over direct gRPC")
+    router.add_argument("--model", default=DEFAULT_MODEL)
+    router.add_argument("--concurrency", default="1,32", help="comma-separated stream counts")
+    router.add_argument("--max-tokens", type=int, default=64)
+    router.add_argument("--threads", type=int, default=1, help="the decode worker's torch threads")
+    router.add_argument("--rounds", type=int, default=3)
+    router.set_defaults(func=_cmd_bench_router)
     return parser
 
 

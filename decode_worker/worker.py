@@ -197,10 +197,11 @@ class DecodeWorker(pb_grpc.DecodeWorkerServicer):
         return pb.AbortReply(found=found)
 
     async def Stats(self, request: pb.StatsRequest, context) -> pb.WorkerStats:
-        return await asyncio.wrap_future(self.engine_loop.call(self.stats))
+        return self.stats()
 
     def stats(self) -> pb.WorkerStats:
-        """Engine thread (or when the loop is idle)."""
+        """Read without waiting for the engine thread (a long step must not make the worker
+        look dead): each figure is current, together they may be a step apart."""
         return worker_stats(self.core, "decode", self.address, num_held_transfers=len(self.core.scheduler.waiting_for_remote_kv))
 
 

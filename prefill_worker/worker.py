@@ -122,7 +122,7 @@ class PrefillWorker(pb_grpc.PrefillWorkerServicer):
         return pb.AbortReply(found=found or sink is not None)
 
     async def Stats(self, request: pb.StatsRequest, context) -> pb.WorkerStats:
-        return await asyncio.wrap_future(self.engine_loop.call(self.stats))
+        return self.stats()  # read without waiting for the engine thread, as the decode worker's
 
     def stats(self) -> pb.WorkerStats:
         return worker_stats(self.core, "prefill", self.address, self.kv_bytes_sent, len(self._held))

@@ -31,8 +31,8 @@ def build_app(state: RouterState) -> FastAPI:
     app = FastAPI(title="tandem", version=VERSION)
     app.state.router = state
     errors.install(app)
-    app.middleware("http")(_request_context)
     app.add_middleware(_BodyLimit, max_bytes=state.config.max_body_bytes)
+    app.add_middleware(_RequestContext, state=state)  # outermost: every response carries the id
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
@@ -103,24 +103,40 @@ def build_app(state: RouterState) -> FastAPI:
     return app
 
 
-async def _request_context(request: Request, call_next):
-    """X-Request-Id in and out, the API key, and one structured log line per request."""
-    state: RouterState = request.app.state.router
-    given = request.headers.get("x-request-id")
-    request_id = given if given and _REQUEST_ID.match(given) else uuid.uuid4().hex
-    request.state.request_id = request_id
-    start = time.perf_counter()
-    if request.url.path not in _OPEN_PATHS and not state.check_key(request.headers.get("authorization")):
-        response = error_response(401, "invalid or missing API key (send Authorization: Bearer <key>)")
-    else:
-        response = await call_next(request)
-    response.headers["X-Request-Id"] = request_id
-    if request.url.path.startswith("/v1/"):
-        elapsed = time.perf_counter() - start
-        state.e2e_latency.observe(elapsed)
-        logger.info(json.dumps({"request_id": request_id, "method": request.method, "path": request.url.path,
-                                "status": response.status_code, "seconds": round(elapsed, 4)}))
-    return response
+class _RequestContext:
+    """X-Request-Id in and out, the API key, and one structured log line per request. Plain
+    ASGI (not BaseHTTPMiddleware): streamed chunks pass straight through."""
+
+    def __init__(self, app, state: RouterState) -> None:
+        self.app = app
+        self.state = state
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope.get("headers", ()))
+        given = headers.get(b"x-request-id", b"").decode("latin-1")
+        request_id = given if _REQUEST_ID.match(given) else uuid.uuid4().hex
+        scope.setdefault("state", {})["request_id"] = request_id
+        path, start, status = scope["path"], time.perf_counter(), [500]
+
+        async def send_with_id(message):
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+                message["headers"] = [*message.get("headers", ()), (b"x-request-id", request_id.encode())]
+            await send(message)
+
+        authorization = headers.get(b"authorization", b"").decode("latin-1")
+        if path not in _OPEN_PATHS and not self.state.check_key(authorization):
+            response = error_response(401, "invalid or missing API key (send Authorization: Bearer <key>)")
+            await response(scope, receive, send_with_id)
+        else:
+            await self.app(scope, receive, send_with_id)
+        if path.startswith("/v1/"):
+            elapsed = time.perf_counter() - start
+            self.state.e2e_latency.observe(elapsed)
+            logger.info(json.dumps({"request_id": request_id, "method": scope["method"], "path": path,
+                                    "status": status[0], "seconds": round(elapsed, 4)}))
 
 
 class _BodyLimit:

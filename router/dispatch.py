@@ -104,6 +104,13 @@ class Dispatcher:
 
     async def merged(self, sequences: list[Sequence]) -> AsyncIterator[SequenceChunk | SequenceFailed]:
         """All sequences at once, chunks in arrival order. Closing the iterator cancels them."""
+        if len(sequences) == 1:  # the common case: no queue, no task, one hop less per token
+            try:
+                async for chunk in self.stream(sequences[0]):
+                    yield SequenceChunk(sequences[0], chunk)
+            except APIError as exc:
+                yield SequenceFailed(sequences[0], exc)
+            return
         queue: asyncio.Queue = asyncio.Queue()
         done = object()
 

@@ -35,6 +35,7 @@ class WorkerPool:
         self._stats_timeout_s = stats_timeout_s
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._task: asyncio.Task | None = None
+        self.failures_to_drop = 3  # consecutive failed Stats before a worker leaves routing
 
     # -- stubs --------------------------------------------------------------------------------
     def _channel(self, address: str) -> grpc.aio.Channel:
@@ -76,9 +77,9 @@ class WorkerPool:
                 worker.healthy, worker.stats, worker.failures = True, result, 0
             else:
                 worker.failures += 1
-                if worker.healthy:
+                if worker.healthy and worker.failures >= self.failures_to_drop:
                     logger.warning("%s worker %s is out of routing: %s", worker.role, worker.address, result)
-                worker.healthy = False
+                    worker.healthy = False
 
     def mark_failed(self, worker: WorkerView) -> None:
         """A call to it failed: out of routing until its next good Stats."""

@@ -69,6 +69,19 @@ def kv_bytes_per_token(arch, dtype_bytes: int = 4) -> int:
     return 2 * arch.num_key_value_heads * arch.head_dim * dtype_bytes * arch.num_hidden_layers
 
 
+def wait_all_free(read_stats, timeout_s: float = 30.0) -> None:
+    """Stats are read without waiting for the worker's engine thread, so a release that is one
+    step away may not show yet: wait (with a deadline) until everything is free, then check."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        stats = read_stats()
+        if stats.num_free_kv_blocks == stats.num_kv_blocks and stats.num_running == stats.num_waiting == 0 \
+                and stats.num_waiting_for_remote_kv == stats.num_held_transfers == 0:
+            return
+        time.sleep(0.05)
+    assert_all_free(read_stats())
+
+
 def assert_all_free(stats: pb.WorkerStats) -> None:
     assert stats.num_free_kv_blocks == stats.num_kv_blocks, (
         f"{stats.role}: {stats.num_kv_blocks - stats.num_free_kv_blocks} KV blocks still held")

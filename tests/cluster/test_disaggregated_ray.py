@@ -22,8 +22,8 @@ from proto import worker_pb2 as pb
 from tests.conftest import make_llm
 from tests.reference import EqualityStats, assert_same_as_engine_reference
 from tests.workers import (
-    METADATA, SECRET, assert_all_free, collect, decode_stub, generate, generate_request, kv_bytes_per_token,
-    wait_until,
+    METADATA, SECRET, collect, decode_stub, generate, generate_request, kv_bytes_per_token,
+    wait_all_free, wait_until,
 )
 
 PROMPTS = [
@@ -97,8 +97,8 @@ def test_disaggregated_greedy_equals_llm_generate(model, request):
     assert after[1].num_prompt_tokens_computed - before[1].num_prompt_tokens_computed == sum(len(i) for i in ids)
     assert after[0].num_generation_tokens - before[0].num_generation_tokens == 12 * len(ids)
     assert after[0].num_kv_recomputed == before[0].num_kv_recomputed and after[0].num_kv_failed == 0
-    assert_all_free(after[0])
-    assert_all_free(after[1])
+    wait_all_free(decode.stats)
+    wait_all_free(prefill.stats)
 
 
 def test_seeded_sampling_equals_colocated(smollm_pair, llm):
@@ -141,8 +141,8 @@ def test_stalled_transfer_hits_the_deadline_and_frees_both_sides(smollm_pair, ll
         generate(decode.address, request)
     assert info.value.code() == grpc.StatusCode.UNAVAILABLE
     wait_until(lambda: prefill.stats().num_held_transfers == 0, what="the stalled transfer released")
-    assert_all_free(decode.stats())
-    assert_all_free(prefill.stats())
+    wait_all_free(decode.stats)
+    wait_all_free(prefill.stats)
 
 
 def test_torch_transport_is_selected_per_request(smollm_pair, llm):
@@ -188,8 +188,8 @@ def test_bad_request_is_refused_and_changes_nothing(smollm_pair):
     with pytest.raises(grpc.RpcError) as info:  # without the cluster secret
         list(decode_stub(decode.address).Generate(generate_request("x", [1, 2], params), timeout=10))
     assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
-    assert_all_free(decode.stats())
-    assert_all_free(prefill.stats())
+    wait_all_free(decode.stats)
+    wait_all_free(prefill.stats)
 
 
 def test_abort_during_prefill_and_during_decode_frees_both_sides(smollm_pair, llm, ray_cluster):
@@ -204,8 +204,8 @@ def test_abort_during_prefill_and_during_decode_frees_both_sides(smollm_pair, ll
     call.cancel()  # the client goes away while the prompt's KV is in flight
     wait_until(lambda: decode.stats().num_free_kv_blocks == decode.stats().num_kv_blocks, what="decode blocks")
     wait_until(lambda: prefill.stats().num_held_transfers == 0, what="prefill transfer released")
-    assert_all_free(decode.stats())
-    assert_all_free(prefill.stats())
+    wait_all_free(decode.stats)
+    wait_all_free(prefill.stats)
 
     params = SamplingParams(temperature=0.0, max_tokens=500, ignore_eos=True)
     call = stub.Generate(generate_request("ab-decode", ids, params, prefill.address), metadata=METADATA, timeout=120)
@@ -214,8 +214,8 @@ def test_abort_during_prefill_and_during_decode_frees_both_sides(smollm_pair, ll
     assert stub.Abort(pb.AbortRequest(request_id="ab-decode"), metadata=METADATA, timeout=30).found
     rest = collect(call)
     assert rest.last.finish_reason == "abort" and len(rest.token_ids) < 499
-    assert_all_free(decode.stats())
-    assert_all_free(prefill.stats())
+    wait_all_free(decode.stats)
+    wait_all_free(prefill.stats)
 
 
 @pytest.mark.parametrize("policy", ["recompute", "fail"])
@@ -244,9 +244,9 @@ def test_prefill_worker_killed_mid_transfer(policy, smollm_pair, llm, ray_cluste
     after = decode.stats()
     assert (after.num_kv_recomputed - before.num_kv_recomputed, after.num_kv_failed - before.num_kv_failed) == (
         (1, 0) if policy == "recompute" else (0, 1))
-    assert_all_free(after)
+    wait_all_free(decode.stats)
     prefill.refresh()  # the restarted actor serves again, on a new port, holding nothing
-    assert_all_free(prefill.stats())
+    wait_all_free(prefill.stats)
 
 
 def test_worker_not_ready_in_time_is_a_clear_error(ray_cluster, smollm_dir):
@@ -268,6 +268,6 @@ def test_decode_worker_killed_leaves_nothing_held_on_the_prefill_worker(smollm_p
     with pytest.raises(grpc.RpcError):
         collect(call)
     wait_until(lambda: prefill.stats().num_held_transfers == 0, timeout_s=60, what="the orphaned transfer released")
-    assert_all_free(prefill.stats())
+    wait_all_free(prefill.stats)
     decode.refresh()
-    assert_all_free(decode.stats())
+    wait_all_free(decode.stats)

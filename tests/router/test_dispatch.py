@@ -1,0 +1,83 @@
+"""Dispatch against a real decode worker (in this process, real gRPC) and a dead address:
+a sequence that fails before its first token is retried once elsewhere; the load policy
+picks by its formula."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from decode_worker.worker import DecodeWorker, DecodeWorkerConfig
+from engine import SamplingParams
+from engine.llm import EngineArgs
+from kv_transfer.worker_rpc import ServerConfig, params_to_proto
+from proto import worker_pb2 as pb
+from router.dispatch import Dispatcher, Sequence
+from router.errors import APIError
+from router.policy import LoadPolicy, RoundRobinPolicy, WorkerView, make_policy
+from router.workers import WorkerPool
+from tests.router.conftest import free_port
+from tests.workers import SECRET
+
+
+@pytest.fixture(scope="module")
+def decode_worker(smollm_dir):
+    engine = EngineArgs(model=str(smollm_dir), dtype="float32", num_kv_blocks=128, max_model_len=512, num_threads=1)
+    worker = DecodeWorker(DecodeWorkerConfig(engine, ServerConfig("127.0.0.1", 0, SECRET)))
+    worker.start()
+    yield worker
+    worker.stop()
+
+
+def healthy_pool(decode_addresses: list[str]) -> WorkerPool:
+    pool = WorkerPool(decode_addresses, [], SECRET, RoundRobinPolicy())
+    for worker in pool.decode:
+        worker.healthy = True  # as if their last Stats had answered
+    return pool
+
+
+def run_sequence(pool: WorkerPool, prompt_ids: list[int]) -> list[int]:
+    params = params_to_proto(SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    sequence = Sequence(0, 0, pb.GenerateRequest(request_id="retry-me", prompt_token_ids=prompt_ids, params=params))
+
+    async def collect():
+        tokens = [t async for chunk in Dispatcher(pool, pb.KV_TRANSPORT_GRPC).stream(sequence) for t in chunk.token_ids]
+        await pool.stop()
+        return tokens
+
+    return asyncio.run(collect())
+
+
+def test_failure_before_first_token_is_retried_on_another_worker(decode_worker, llm):
+    dead = f"127.0.0.1:{free_port()}"
+    pool = healthy_pool([dead, decode_worker.address])  # round-robin tries the dead one first
+    ids = llm.get_tokenizer().encode("The sea is")
+    tokens = run_sequence(pool, ids)
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    assert tokens == llm.generate({"prompt_token_ids": ids}, params)[0].outputs[0].token_ids
+    stats = decode_worker.stats()
+    assert stats.num_free_kv_blocks == stats.num_kv_blocks
+
+
+def test_two_failures_give_a_503(llm):
+    pool = healthy_pool([f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"])
+    with pytest.raises(APIError) as info:
+        run_sequence(pool, [1, 2, 3])
+    assert info.value.status == 503
+
+
+def test_load_policy_follows_its_formula():
+    def view(address, running, free, in_flight=0):
+        stats = pb.WorkerStats(num_running=running, num_free_kv_blocks=free, num_kv_blocks=100)
+        return WorkerView("decode", address, healthy=True, stats=stats, in_flight=in_flight)
+
+    busy, idle, full = view("a:1", 8, 90), view("b:1", 1, 90), view("c:1", 0, 1, in_flight=3)
+    assert LoadPolicy().pick([busy, idle, full]) is idle
+    idle.healthy = False
+    assert LoadPolicy().pick([busy, idle, full]) is busy  # 8/90 < 3/1
+    prefill = [WorkerView("prefill", "p:1", True, pb.WorkerStats(), prompt_tokens_in_flight=500),
+               WorkerView("prefill", "p:2", True, pb.WorkerStats(num_waiting=2), prompt_tokens_in_flight=100)]
+    assert LoadPolicy().pick(prefill).address == "p:2"
+    with pytest.raises(ValueError, match="Redis"):
+        make_policy("prefix")
