@@ -53,6 +53,8 @@ def add_serve_parser(commands) -> None:
     p.add_argument("--kv-transport", choices=list(_TRANSPORTS), default=_env("KV_TRANSPORT", "grpc"))
     p.add_argument("--kv-failure-policy", choices=["recompute", "fail"], default=_env("KV_FAILURE_POLICY", "recompute"))
     p.add_argument("--routing-policy", choices=["load", "round-robin", "prefix"], default=_env("ROUTING_POLICY", "load"))
+    p.add_argument("--local-prefill-max-tokens", type=int, default=_env("LOCAL_PREFILL_MAX_TOKENS", 0, int),
+                   help="in disagg mode, prompts this short are prefilled on the decode worker")
     p.add_argument("--drain-timeout", type=float, default=_env("DRAIN_TIMEOUT", 30.0, float))
     p.add_argument("--ready-timeout", type=float, default=_env("READY_TIMEOUT", 600.0, float),
                    help="seconds each worker may take to start")
@@ -89,10 +91,11 @@ def run_serve(args: argparse.Namespace) -> int:
                  include_dashboard=False, logging_level="warning")
     else:
         ray.init(address=args.ray_address, logging_level="warning")
+    secret = os.environ.get("TANDEM_CLUSTER_SECRET") or secrets.token_urlsafe(32)
     handles = []
     try:
-        handles = _launch(engine, args, num_prefill)
-        return _serve_http(args, info, max_model_len, handles, policy)
+        handles = _launch(engine, args, num_prefill, secret)
+        return _serve_http(args, info, max_model_len, handles, policy, secret)
     finally:
         for handle in handles:
             ray.kill(handle.actor, no_restart=True)
@@ -101,14 +104,12 @@ def run_serve(args: argparse.Namespace) -> int:
         _say("stopped")
 
 
-def _launch(engine, args, num_prefill: int) -> list:
+def _launch(engine, args, num_prefill: int, secret: str) -> list:
     from cluster.actors import Placement, launch_worker
     from decode_worker.worker import DecodeWorkerConfig
     from kv_transfer.worker_rpc import ServerConfig
     from prefill_worker.worker import PrefillWorkerConfig
 
-    secret = os.environ.get("TANDEM_CLUSTER_SECRET") or secrets.token_urlsafe(32)
-    os.environ["TANDEM_CLUSTER_SECRET"] = secret  # the router's own calls carry it too
     server = ServerConfig("", args.worker_port, secret)
     policy = KVFailurePolicy(args.kv_failure_policy)
     placement = Placement(ready_timeout_s=args.ready_timeout)
@@ -125,7 +126,7 @@ def _launch(engine, args, num_prefill: int) -> list:
     return handles
 
 
-def _serve_http(args, info, max_model_len: int, handles: list, policy) -> int:
+def _serve_http(args, info, max_model_len: int, handles: list, policy, secret: str) -> int:
     import uvicorn
 
     from router.app import build_app
@@ -134,9 +135,9 @@ def _serve_http(args, info, max_model_len: int, handles: list, policy) -> int:
 
     config = RouterConfig(served_model_name=args.served_model_name or args.model, max_model_len=max_model_len,
                           api_key=args.api_key, max_queue=args.max_queue, kv_transport=_TRANSPORTS[args.kv_transport],
-                          drain_timeout_s=args.drain_timeout)
+                          drain_timeout_s=args.drain_timeout, local_prefill_max_tokens=args.local_prefill_max_tokens)
     pool = WorkerPool([h.address for h in handles if h.role == "decode"],
-                      [h.address for h in handles if h.role == "prefill"], os.environ["TANDEM_CLUSTER_SECRET"], policy)
+                      [h.address for h in handles if h.role == "prefill"], secret, policy)
     state = RouterState(config, info, pool)
 
     class DrainingServer(uvicorn.Server):

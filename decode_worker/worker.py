@@ -128,6 +128,8 @@ class DecodeWorker(pb_grpc.DecodeWorkerServicer):
                     await context.abort(code, output.error)
                 yield output_to_chunk(output, admission.num_prompt_tokens)
         finally:
+            logger.info("request %s %s (prompt %d tokens, %s)", request_id, "finished" if finished else "cancelled",
+                        admission.num_prompt_tokens, "local prefill" if prefill is None else "remote prefill")
             if not finished:  # client gone, cancelled or failed: free everything it holds here
                 self.engine_loop.abort(request_id)
             if prefill is not None and not prefill.done():
@@ -139,7 +141,9 @@ class DecodeWorker(pb_grpc.DecodeWorkerServicer):
         engine_request = core.make_request(request_id, list(request.prompt_token_ids), params,
                                            request.cache_salt or None)
         admission = _Admission(engine_request.seed, engine_request.num_prompt_tokens, None)
-        if request.HasField("prefill"):
+        # prompt logprobs need the logits of every prompt position, which only a local prefill
+        # computes (the prefill worker sends KV, not logits): such requests prefill here
+        if request.HasField("prefill") and params.prompt_logprobs is None:
             policy = _POLICIES.get(request.kv_failure_policy, self.config.kv_failure_policy)
             deadline_s = request.kv_deadline_ms / 1000 or self.config.kv_deadline_s
             admission.kv_from_pos = core.add_remote_request(engine_request, deadline_s, policy)

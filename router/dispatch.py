@@ -48,9 +48,11 @@ def api_error(exc: grpc.aio.AioRpcError) -> APIError:
 
 
 class Dispatcher:
-    def __init__(self, pool: WorkerPool, kv_transport: int) -> None:
+    def __init__(self, pool: WorkerPool, kv_transport: int, local_prefill_max_tokens: int = 0) -> None:
         self.pool = pool
         self.kv_transport = kv_transport
+        # a prompt this short costs less to prefill on the decode worker than to transfer
+        self.local_prefill_max_tokens = local_prefill_max_tokens
         self.active: dict[str, str] = {}  # worker request id -> decode worker address (for drain aborts)
 
     async def stream(self, sequence: Sequence) -> AsyncIterator[pb.GenerateChunk]:
@@ -78,6 +80,8 @@ class Dispatcher:
         request.CopyFrom(sequence.request)
         decode, prefill = assignment.decode, assignment.prefill
         num_prompt = len(request.prompt_token_ids)
+        if num_prompt <= self.local_prefill_max_tokens or request.params.HasField("prompt_logprobs"):
+            prefill = None  # short, or needs prompt logprobs (computed only where the prompt is prefilled)
         if prefill is not None:
             request.prefill.address = prefill.address
             request.prefill.transport = self.kv_transport

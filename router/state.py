@@ -27,6 +27,7 @@ class RouterConfig:
     max_body_bytes: int = 16 << 20  # larger bodies get 413
     kv_transport: int = pb.KV_TRANSPORT_GRPC  # --kv-transport for disaggregated requests
     drain_timeout_s: float = 30.0  # --drain-timeout
+    local_prefill_max_tokens: int = 0  # --local-prefill-max-tokens: shorter prompts skip the prefill worker
 
     def __post_init__(self) -> None:
         if self.max_queue < 1 or self.max_n < 1 or self.max_model_len < 2:
@@ -39,7 +40,7 @@ class RouterState:
         self.tokenizer = info.tokenizer
         self.generation = info.generation
         self.pool = pool
-        self.dispatcher = Dispatcher(pool, config.kv_transport)
+        self.dispatcher = Dispatcher(pool, config.kv_transport, config.local_prefill_max_tokens)
         self.draining = False
         self.num_in_flight = 0
         self.started = time.time()

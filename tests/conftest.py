@@ -72,3 +72,14 @@ def hf_smollm(smollm_gguf):
     tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name)
     model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32)
     return model.eval(), tokenizer
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory, smollm_dir):
+    """A tiny random Llama checkpoint (SmolLM2's tokenizer), for tests where the real model is
+    not the point."""
+    from tests.tiny_model import write_tiny_checkpoint
+
+    directory = tmp_path_factory.mktemp("tiny-llama")
+    write_tiny_checkpoint("llama", directory, smollm_dir)
+    return directory

@@ -20,12 +20,3 @@ def ray_cluster():
              object_store_memory=128 << 20, logging_level="warning", configure_logging=True)
     yield ray
     ray.shutdown()
-
-
-@pytest.fixture(scope="session")
-def tiny_llama_dir(tmp_path_factory, smollm_dir):
-    from tests.tiny_model import write_tiny_checkpoint
-
-    directory = tmp_path_factory.mktemp("tiny-llama")
-    write_tiny_checkpoint("llama", directory, smollm_dir)
-    return directory

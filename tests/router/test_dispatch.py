@@ -81,3 +81,22 @@ def test_load_policy_follows_its_formula():
     assert LoadPolicy().pick(prefill).address == "p:2"
     with pytest.raises(ValueError, match="Redis"):
         make_policy("prefix")
+
+
+def test_short_prompts_skip_the_prefill_worker(decode_worker, llm):
+    """--local-prefill-max-tokens: the prefill worker here is a dead address, so only a
+    request that really skips it can succeed."""
+    pool = healthy_pool([decode_worker.address])
+    pool.prefill = [WorkerView("prefill", f"127.0.0.1:{free_port()}", healthy=True)]
+    ids = llm.get_tokenizer().encode("Short prompt")
+    params = params_to_proto(SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
+    sequence = Sequence(0, 0, pb.GenerateRequest(request_id="short", prompt_token_ids=ids, params=params,
+                                                 kv_failure_policy=pb.KV_FAILURE_POLICY_FAIL))
+
+    async def collect():
+        dispatcher = Dispatcher(pool, pb.KV_TRANSPORT_GRPC, local_prefill_max_tokens=len(ids))
+        tokens = [t async for chunk in dispatcher.stream(sequence) for t in chunk.token_ids]
+        await pool.stop()
+        return tokens
+
+    assert len(asyncio.run(collect())) == 2

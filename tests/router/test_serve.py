@@ -208,3 +208,27 @@ def test_sigterm_drains_and_leaves_no_process(smollm_dir):
         assert not alive, f"left behind: {[p.name() for p in alive]}"
     finally:
         server.stop()
+
+
+def test_n_seed_and_echo_with_prompt_logprobs(disagg_server, llm):
+    api = client(disagg_server)
+    params = SamplingParams(n=2, temperature=0.8, seed=7, max_tokens=6, ignore_eos=True)
+    answer = api.completions.create(model="smollm2-135m-instruct", prompt="[n] The weather today", n=2,
+                                    temperature=0.8, seed=7, max_tokens=6, extra_body={"ignore_eos": True})
+    reference = llm.generate("[n] The weather today", params)[0]
+    assert [c.text for c in sorted(answer.choices, key=lambda c: c.index)] == [o.text for o in reference.outputs]
+    assert answer.usage.completion_tokens == 12
+
+    prompt = "[echo] Paris is"
+    echoed = api.completions.create(model="smollm2-135m-instruct", prompt=prompt, max_tokens=3, temperature=0,
+                                    echo=True, logprobs=1)
+    choice = echoed.choices[0]
+    num_prompt = len(llm.get_tokenizer().encode(prompt))
+    assert choice.text.startswith(prompt) and len(choice.text) > len(prompt)
+    assert len(choice.logprobs.tokens) == num_prompt + 3
+    assert choice.logprobs.token_logprobs[0] is None and all(
+        lp is not None and lp <= 0 for lp in choice.logprobs.token_logprobs[1:])
+    offline = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=3, prompt_logprobs=1))[0]
+    for position in range(1, num_prompt):  # the prompt's own logprobs, from the workers
+        expected = offline.prompt_logprobs[position][offline.prompt_token_ids[position]].logprob
+        assert choice.logprobs.token_logprobs[position] == pytest.approx(expected, abs=1e-4)

@@ -1,0 +1,78 @@
+"""The gateway in this process (uvicorn on a thread, real HTTP) in front of decode workers in
+this process (real gRPC): what happens when workers die or are missing."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+
+import httpx
+import uvicorn
+
+from decode_worker.worker import DecodeWorker, DecodeWorkerConfig
+from engine.llm import EngineArgs
+from engine.model_info import load_model_info
+from kv_transfer.worker_rpc import ServerConfig
+from router.app import build_app
+from router.policy import RoundRobinPolicy
+from router.state import RouterConfig, RouterState
+from router.workers import WorkerPool
+from tests.router.conftest import free_port
+from tests.workers import SECRET, wait_until
+
+
+class Gateway:
+    def __init__(self, model_dir, decode_addresses: list[str]) -> None:
+        self.pool = WorkerPool(decode_addresses, [], SECRET, RoundRobinPolicy(), poll_interval_s=0.2)
+        self.pool.failures_to_drop = 1
+        state = RouterState(RouterConfig("tiny", 512), load_model_info(str(model_dir)), self.pool)
+        self.port = free_port()
+        self.server = uvicorn.Server(uvicorn.Config(build_app(state), host="127.0.0.1", port=self.port,
+                                                    log_level="warning"))
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._thread = threading.Thread(target=lambda: asyncio.run(self._main()), daemon=True)
+
+    async def _main(self) -> None:
+        await self.pool.start()
+        await self.server.serve()
+        await self.pool.stop()
+
+    def __enter__(self) -> "Gateway":
+        self._thread.start()
+        wait_until(lambda: self.server.started, what="the gateway to start")
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self._thread.join(30)
+
+
+def start_decode_worker(model_dir) -> DecodeWorker:
+    engine = EngineArgs(model=str(model_dir), dtype="float32", num_kv_blocks=128, max_model_len=512, num_threads=1)
+    worker = DecodeWorker(DecodeWorkerConfig(engine, ServerConfig("127.0.0.1", 0, SECRET)))
+    worker.start()
+    return worker
+
+
+def test_worker_dying_mid_stream_ends_the_stream_with_an_error_event(tiny_llama_dir):
+    worker = start_decode_worker(tiny_llama_dir)
+    body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 400, "ignore_eos": True, "stream": True}
+    try:
+        with Gateway(tiny_llama_dir, [worker.address]) as gateway:
+            wait_until(lambda: httpx.get(f"{gateway.url}/ready", timeout=5).status_code == 200, what="ready")
+            with httpx.stream("POST", f"{gateway.url}/v1/completions", json=body, timeout=60) as response:
+                lines = response.iter_lines()
+                first = next(line for line in lines if line.startswith("data: "))
+                assert json.loads(first[6:])["choices"][0]["text"] is not None
+                worker.stop()  # the decode worker goes away while the stream runs
+                events = [line[6:] for line in lines if line.startswith("data: ")]
+            assert events[-1] == "[DONE]"
+            error = json.loads(events[-2])["error"]
+            assert error["code"] >= 500 and "worker error" in error["message"]
+            # with its only worker gone the gateway is not ready and says so
+            wait_until(lambda: httpx.get(f"{gateway.url}/ready", timeout=5).status_code == 503, what="not ready")
+            refused = httpx.post(f"{gateway.url}/v1/completions", json={**body, "stream": False}, timeout=10)
+            assert refused.status_code == 503 and "no healthy worker" in refused.json()["error"]["message"]
+    finally:
+        worker.stop()
