@@ -232,3 +232,20 @@ def test_n_seed_and_echo_with_prompt_logprobs(disagg_server, llm):
     for position in range(1, num_prompt):  # the prompt's own logprobs, from the workers
         expected = offline.prompt_logprobs[position][offline.prompt_token_ids[position]].logprob
         assert choice.logprobs.token_logprobs[position] == pytest.approx(expected, abs=1e-4)
+
+
+def test_cached_tokens_and_stop_strings(disagg_server, llm):
+    api = client(disagg_server)
+    messages = [{"role": "system", "content": "You are a helpful assistant who answers in one short sentence. " * 3},
+                {"role": "user", "content": "[cache] What colour is the sky?"}]
+    first = api.chat.completions.create(model="smollm2-135m-instruct", messages=messages, max_tokens=4, temperature=0)
+    second = api.chat.completions.create(model="smollm2-135m-instruct", messages=messages, max_tokens=4, temperature=0)
+    assert first.usage.prompt_tokens == second.usage.prompt_tokens > 48
+    assert second.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens // 16 * 16 - 16
+    assert second.usage.prompt_tokens_details.cached_tokens > first.usage.prompt_tokens_details.cached_tokens
+
+    stopped = api.completions.create(model="smollm2-135m-instruct", prompt="[stop] One, two, three, four", max_tokens=20,
+                                     temperature=0, stop=[","])
+    reference = llm.generate("[stop] One, two, three, four", SamplingParams(temperature=0.0, max_tokens=20, stop=[","]))
+    assert stopped.choices[0].text == reference[0].outputs[0].text and "," not in stopped.choices[0].text
+    assert stopped.choices[0].finish_reason == reference[0].outputs[0].finish_reason
