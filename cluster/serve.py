@@ -36,6 +36,9 @@ def add_serve_parser(commands) -> None:
     p.add_argument("--dtype", default=_env("DTYPE", "auto"))
     p.add_argument("--host", default=_env("HOST", "0.0.0.0"))
     p.add_argument("--port", type=int, default=_env("PORT", 8000, int))
+    p.add_argument("--grpc-port", type=int, default=_env("GRPC_PORT", 50051, int), help="the public gRPC API")
+    p.add_argument("--grpc-tls-cert", default=_env("GRPC_TLS_CERT", None), help="PEM certificate chain (TLS on)")
+    p.add_argument("--grpc-tls-key", default=_env("GRPC_TLS_KEY", None), help="PEM private key")
     p.add_argument("--mode", choices=["disagg", "colocated"], default=_env("MODE", "disagg"))
     p.add_argument("--prefill-workers", type=int, default=_env("PREFILL_WORKERS", 1, int))
     p.add_argument("--decode-workers", type=int, default=_env("DECODE_WORKERS", 1, int))
@@ -130,6 +133,7 @@ def _serve_http(args, info, max_model_len: int, handles: list, policy, secret: s
     import uvicorn
 
     from router.app import build_app
+    from router.grpc_api import PublicGrpcServer
     from router.state import RouterConfig, RouterState
     from router.workers import WorkerPool
 
@@ -146,18 +150,32 @@ def _serve_http(args, info, max_model_len: int, handles: list, policy, secret: s
                 return super().handle_exit(sig, frame)
             _say("draining: no new requests; waiting for those in flight")
             state.draining = True
-            asyncio.get_running_loop().create_task(_drain(self, state))
+            loop = asyncio.get_running_loop()
+            loop.create_task(public_grpc.set_serving(False))
+            loop.create_task(_drain(self, state))
+
+    tls = None
+    if args.grpc_tls_cert or args.grpc_tls_key:
+        if not (args.grpc_tls_cert and args.grpc_tls_key):
+            raise ValueError("--grpc-tls-cert and --grpc-tls-key go together")
+        tls = (open(args.grpc_tls_cert, "rb").read(), open(args.grpc_tls_key, "rb").read())
+    public_grpc = None
 
     async def main() -> None:
+        nonlocal public_grpc
         await pool.start()
+        public_grpc = PublicGrpcServer(state, args.host, args.grpc_port, tls)
+        await public_grpc.start()
         server = DrainingServer(uvicorn.Config(build_app(state), host=args.host, port=args.port, log_level="warning",
                                                timeout_graceful_shutdown=5))
         serving = asyncio.create_task(server.serve())
         while not server.started and not serving.done():
             await asyncio.sleep(0.05)
         if server.started:
-            _say(f"ready: http://{args.host}:{args.port}/v1 serving {config.served_model_name} ({args.mode})")
+            _say(f"ready: http://{args.host}:{args.port}/v1 and grpc {args.host}:{public_grpc.port} serving "
+                 f"{config.served_model_name} ({args.mode})")
         await serving
+        await public_grpc.stop()
         await pool.stop()
 
     asyncio.run(main())

@@ -34,7 +34,7 @@ class _Prepared:
 
 
 @dataclass(slots=True)
-class _Choice:
+class Choice:
     index: int
     prompt_index: int
     text: str = ""
@@ -126,7 +126,7 @@ async def respond(state: RouterState, prepared: _Prepared, stream: bool):
     if stream:
         return StreamingResponse(_sse(state, prepared), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
-    choices = {s.index: _Choice(s.index, s.prompt_index) for s in prepared.sequences}
+    choices = {s.index: Choice(s.index, s.prompt_index) for s in prepared.sequences}
     try:
         async for item in state.dispatcher.merged(prepared.sequences):
             if not isinstance(item, SequenceChunk):
@@ -138,12 +138,12 @@ async def respond(state: RouterState, prepared: _Prepared, stream: bool):
         "id": prepared.response_id, "object": "text_completion" if prepared.kind == "completion" else "chat.completion",
         "created": int(time.time()), "model": state.config.served_model_name,
         "choices": [_full_choice(prepared, c) for c in sorted(choices.values(), key=lambda c: c.index)],
-        "usage": _usage(prepared, choices.values()),
+        "usage": usage_of(prepared, choices.values()),
     }
     return JSONResponse(body)
 
 
-def _full_choice(prepared: _Prepared, choice: _Choice) -> dict:
+def _full_choice(prepared: _Prepared, choice: Choice) -> dict:
     if prepared.kind == "chat":
         return {"index": choice.index, "message": {"role": "assistant", "content": choice.text},
                 "logprobs": _chat_logprobs(choice.logprobs, prepared.num_top_logprobs),
@@ -158,7 +158,7 @@ def _full_choice(prepared: _Prepared, choice: _Choice) -> dict:
 
 
 async def _sse(state: RouterState, prepared: _Prepared) -> AsyncIterator[str]:
-    choices = {s.index: _Choice(s.index, s.prompt_index) for s in prepared.sequences}
+    choices = {s.index: Choice(s.index, s.prompt_index) for s in prepared.sequences}
     created = int(time.time())
     echoed: set[int] = set()
     try:
@@ -174,20 +174,20 @@ async def _sse(state: RouterState, prepared: _Prepared) -> AsyncIterator[str]:
                        "object": "text_completion" if prepared.kind == "completion" else "chat.completion.chunk",
                        "choices": [event]}
             if prepared.continuous_usage:
-                payload["usage"] = _usage(prepared, choices.values())
+                payload["usage"] = usage_of(prepared, choices.values())
             yield f"data: {json.dumps(payload)}\n\n"
         else:
             if prepared.include_usage:
                 payload = {"id": prepared.response_id, "created": created, "model": state.config.served_model_name,
                            "object": "text_completion" if prepared.kind == "completion" else "chat.completion.chunk",
-                           "choices": [], "usage": _usage(prepared, choices.values())}
+                           "choices": [], "usage": usage_of(prepared, choices.values())}
                 yield f"data: {json.dumps(payload)}\n\n"
         yield "data: [DONE]\n\n"
     finally:
         state.finish_request(prepared, choices.values())
 
 
-def _stream_choice(prepared: _Prepared, choice: _Choice, chunk: pb.GenerateChunk, first: bool,
+def _stream_choice(prepared: _Prepared, choice: Choice, chunk: pb.GenerateChunk, first: bool,
                    echoed: set[int]) -> dict:
     finish = chunk.finish_reason or None
     stop = choice.stop_reason if finish else None
@@ -206,7 +206,7 @@ def _stream_choice(prepared: _Prepared, choice: _Choice, chunk: pb.GenerateChunk
             "logprobs": _completion_logprobs(positions, prepared.num_top_logprobs)}
 
 
-def _usage(prepared: _Prepared, choices) -> dict:
+def usage_of(prepared: _Prepared, choices) -> dict:
     choices = list(choices)
     prompt_tokens = sum(len(ids) for ids in prepared.prompt_ids)
     cached = {}

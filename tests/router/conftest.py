@@ -28,6 +28,7 @@ def free_port() -> int:
 class LiveServer:
     process: subprocess.Popen
     base_url: str  # http://127.0.0.1:PORT
+    grpc_target: str  # 127.0.0.1:GRPC_PORT (the public gRPC API)
     mode: str
     api_key: str | None
     log: list[str] = field(default_factory=list)  # stderr lines so far
@@ -61,9 +62,9 @@ class LiveServer:
 
 
 def start_server(model_dir, mode: str, *extra: str, api_key: str | None = None, ready_timeout_s: float = 300) -> LiveServer:
-    port = free_port()
+    port, grpc_port = free_port(), free_port()
     command = [sys.executable, "-m", "cluster.cli", "serve", "--model", str(model_dir), "--dtype", "float32",
-               "--host", "127.0.0.1", "--port", str(port), "--mode", mode, "--max-model-len", "1024",
+               "--host", "127.0.0.1", "--port", str(port), "--grpc-port", str(grpc_port), "--mode", mode, "--max-model-len", "1024",
                "--num-kv-blocks", "512", "--worker-threads", "1", "--served-model-name", "smollm2-135m-instruct",
                *extra]
     if api_key:
@@ -71,7 +72,7 @@ def start_server(model_dir, mode: str, *extra: str, api_key: str | None = None, 
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TANDEM_API", "RAY_ADDRESS"))}
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env,
                                cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
-    server = LiveServer(process, f"http://127.0.0.1:{port}", mode, api_key)
+    server = LiveServer(process, f"http://127.0.0.1:{port}", f"127.0.0.1:{grpc_port}", mode, api_key)
     threading.Thread(target=lambda: server.log.extend(process.stderr), daemon=True).start()
     deadline = time.monotonic() + ready_timeout_s
     while time.monotonic() < deadline:

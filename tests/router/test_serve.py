@@ -9,11 +9,14 @@ import json
 import signal
 import time
 
+import grpc
 import httpx
 import openai
 import psutil
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from client import TandemClient, TandemError
 from engine import SamplingParams
 from tests.reference import EqualityStats, assert_same_tokens_as_text
 from tests.router.conftest import start_server
@@ -197,6 +200,12 @@ def test_sigterm_drains_and_leaves_no_process(smollm_dir):
             late = httpx.post(f"{server.base_url}/v1/completions", json={**body, "stream": False}, timeout=10)
             assert late.status_code == 503
             assert httpx.get(f"{server.base_url}/ready", timeout=10).status_code == 503
+            with grpc.insecure_channel(server.grpc_target) as channel:  # the gRPC API drains too
+                health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+                assert health.status == health_pb2.HealthCheckResponse.NOT_SERVING
+            with TandemClient(server.grpc_target, max_retries=0) as tandem, pytest.raises(TandemError) as info:
+                tandem.complete("x")
+            assert info.value.code == grpc.StatusCode.UNAVAILABLE
             events = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
         assert events[-1]["choices"][0]["finish_reason"] in ("abort", "length")
         assert server.process.wait(60) == 0

@@ -1,0 +1,103 @@
+"""TandemClient: the blocking client."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import grpc
+
+from client._requests import (
+    KEEPALIVE_OPTIONS, Messages, Prompt, backoff_s, credentials, generation_request, metadata, should_retry,
+    tokenize_request,
+)
+from client.params import SamplingParams
+from client.types import Chunk, Completion, CompletionBuilder, ModelCard, TandemError, chunk_from_proto
+from proto import generation_pb2 as pb
+from proto import generation_pb2_grpc as pb_grpc
+
+
+class TandemClient:
+    """``TandemClient("host:50051", api_key=...)``; use as a context manager or ``close()``.
+
+    ``timeout_s`` is each call's default deadline; ``root_certificates`` (or ``tls=True`` for
+    the system's) turns TLS on; ``max_retries`` retries a call that failed with UNAVAILABLE
+    before anything arrived, with the same request id."""
+
+    def __init__(self, target: str, api_key: str | None = None, model: str = "smollm2-135m-instruct",
+                 timeout_s: float | None = 300.0, root_certificates: bytes | None = None, tls: bool = False,
+                 max_retries: int = 2) -> None:
+        creds = credentials(root_certificates, tls)
+        self._channel = (grpc.secure_channel(target, creds, options=KEEPALIVE_OPTIONS) if creds
+                         else grpc.insecure_channel(target, options=KEEPALIVE_OPTIONS))
+        self._stub = pb_grpc.GenerationStub(self._channel)
+        self._metadata = metadata(api_key)
+        self.model = model
+        self.timeout_s = timeout_s
+        self.max_retries = max_retries
+
+    def __enter__(self) -> "TandemClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def _responses(self, request: pb.GenerationRequest, timeout_s: float | None) -> Iterator[pb.GenerationResponse]:
+        attempt = 0
+        while True:
+            call = self._stub.Generate(request, metadata=self._metadata, timeout=timeout_s or self.timeout_s)
+            received_any = False
+            try:
+                for response in call:
+                    received_any = True
+                    yield response
+                return
+            except grpc.RpcError as error:
+                if not should_retry(error, received_any, attempt, self.max_retries):
+                    raise TandemError(error.code(), error.details()) from None
+            finally:
+                call.cancel()  # a stream the caller stopped reading is cancelled on the server
+            time.sleep(backoff_s(attempt))
+            attempt += 1
+
+    def generate(self, prompt: Prompt | None = None, params: SamplingParams | None = None, *,
+                 messages: Messages | None = None, n: int = 1, request_id: str | None = None,
+                 timeout_s: float | None = None) -> Iterator[Chunk]:
+        """Stream chunks as they are generated (text or token ids as ``prompt``, or chat
+        ``messages``). Closing the iterator cancels the request on the server."""
+        request = generation_request(self.model, prompt, messages, params, n, request_id)
+        for response in self._responses(request, timeout_s):
+            if response.WhichOneof("kind") == "chunk":
+                yield chunk_from_proto(response.chunk)
+
+    def complete(self, prompt: Prompt, params: SamplingParams | None = None, *, n: int = 1,
+                 request_id: str | None = None, timeout_s: float | None = None) -> Completion:
+        return self._collect(generation_request(self.model, prompt, None, params, n, request_id), timeout_s)
+
+    def chat(self, messages: Messages, params: SamplingParams | None = None, *, n: int = 1,
+             request_id: str | None = None, timeout_s: float | None = None) -> Completion:
+        return self._collect(generation_request(self.model, None, messages, params, n, request_id), timeout_s)
+
+    def _collect(self, request: pb.GenerationRequest, timeout_s: float | None) -> Completion:
+        builder = CompletionBuilder()
+        for response in self._responses(request, timeout_s):
+            builder.add(response)
+        return builder.build()
+
+    def tokenize(self, text: str | None = None, *, messages: Messages | None = None) -> list[int]:
+        try:
+            reply = self._stub.Tokenize(tokenize_request(self.model, text, messages), metadata=self._metadata,
+                                        timeout=self.timeout_s)
+        except grpc.RpcError as error:
+            raise TandemError(error.code(), error.details()) from None
+        return list(reply.token_ids)
+
+    def models(self) -> list[ModelCard]:
+        try:
+            reply = self._stub.ListModels(pb.ListModelsRequest(), metadata=self._metadata, timeout=self.timeout_s)
+        except grpc.RpcError as error:
+            raise TandemError(error.code(), error.details()) from None
+        return [ModelCard(m.id, m.max_model_len, m.owned_by, m.created) for m in reply.models]
