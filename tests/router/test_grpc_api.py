@@ -152,3 +152,23 @@ def test_the_sdk_needs_no_torch_ray_or_engine(disagg_server):
     with TandemClient(disagg_server.grpc_target) as tandem:
         expected = tandem.complete("[sdk] The sea is", SamplingParams(temperature=0.0, max_tokens=6))
     assert result.stdout.strip() == expected.choices[0].text.strip()
+
+
+def test_tls_on_the_grpc_api(smollm_dir, tmp_path):
+    from tests.router.conftest import start_server
+
+    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert),
+                    "-days", "1", "-subj", "/CN=localhost", "-addext", "subjectAltName=DNS:localhost"],
+                   check=True, capture_output=True, timeout=60)
+    server = start_server(smollm_dir, "colocated", "--grpc-tls-cert", str(cert), "--grpc-tls-key", str(key))
+    try:
+        target = server.grpc_target.replace("127.0.0.1", "localhost")
+        with TandemClient(target, root_certificates=cert.read_bytes()) as tandem:
+            assert tandem.complete("[tls] Hi", SamplingParams(max_tokens=2)).usage.completion_tokens == 2
+        with TandemClient(target, timeout_s=5, max_retries=0) as plaintext:  # no TLS: refused
+            with pytest.raises(TandemError) as info:
+                plaintext.complete("[tls] Hi")
+            assert info.value.code == grpc.StatusCode.UNAVAILABLE
+    finally:
+        server.stop()
