@@ -95,10 +95,14 @@ def run_serve(args: argparse.Namespace) -> int:
     else:
         ray.init(address=args.ray_address, logging_level="warning")
     secret = os.environ.get("TANDEM_CLUSTER_SECRET") or secrets.token_urlsafe(32)
-    handles = []
+    handles: list = []  # every worker launched, whatever happens next, so that all are stopped
+    from cluster.actors import WorkerStartupError
+
     try:
-        handles = _launch(engine, args, num_prefill, secret)
-        return _serve_http(args, info, max_model_len, handles, policy, secret)
+        return _serve(args, info, engine, max_model_len, num_prefill, policy, secret, handles)
+    except WorkerStartupError as exc:
+        _say(f"error: {exc}")
+        return 1
     finally:
         for handle in handles:
             ray.kill(handle.actor, no_restart=True)
@@ -107,7 +111,9 @@ def run_serve(args: argparse.Namespace) -> int:
         _say("stopped")
 
 
-def _launch(engine, args, num_prefill: int, secret: str) -> list:
+def _launch(engine, args, num_prefill: int, secret: str, handles: list) -> None:
+    """Start the pools in parallel (blocking); every worker that started goes into
+    ``handles``, then the first failure, if any, is raised."""
     from cluster.actors import Placement, launch_worker
     from decode_worker.worker import DecodeWorkerConfig
     from kv_transfer.worker_rpc import ServerConfig
@@ -122,14 +128,22 @@ def _launch(engine, args, num_prefill: int, secret: str) -> list:
          f"({args.worker_threads} threads each)")
     start = time.monotonic()
     with ThreadPoolExecutor(len(jobs)) as pool:
-        handles = list(pool.map(lambda job: launch_worker(job[0], job[1], placement), jobs))
-    for handle in handles:
-        _say(f"{handle.role} worker ready at {handle.address}")
+        pending = [pool.submit(launch_worker, role, config, placement) for role, config in jobs]
+    errors = []
+    for future in pending:
+        if future.exception() is not None:
+            errors.append(future.exception())
+        else:
+            handles.append(future.result())
+            _say(f"{handles[-1].role} worker ready at {handles[-1].address}")
+    if errors:
+        raise errors[0]
     _say(f"workers ready in {time.monotonic() - start:.1f} s")
-    return handles
 
 
-def _serve_http(args, info, max_model_len: int, handles: list, policy, secret: str) -> int:
+def _serve(args, info, engine, max_model_len: int, num_prefill: int, policy, secret: str, handles: list) -> int:
+    """HTTP and gRPC come up first (not ready: /ready 503, health NOT_SERVING), then the
+    workers start; the server turns ready when they are."""
     import uvicorn
 
     from router.app import build_app
@@ -140,9 +154,14 @@ def _serve_http(args, info, max_model_len: int, handles: list, policy, secret: s
     config = RouterConfig(served_model_name=args.served_model_name or args.model, max_model_len=max_model_len,
                           api_key=args.api_key, max_queue=args.max_queue, kv_transport=_TRANSPORTS[args.kv_transport],
                           drain_timeout_s=args.drain_timeout, local_prefill_max_tokens=args.local_prefill_max_tokens)
-    pool = WorkerPool([h.address for h in handles if h.role == "decode"],
-                      [h.address for h in handles if h.role == "prefill"], secret, policy)
+    pool = WorkerPool([], [], secret, policy)
     state = RouterState(config, info, pool)
+    tls = None
+    if args.grpc_tls_cert or args.grpc_tls_key:
+        if not (args.grpc_tls_cert and args.grpc_tls_key):
+            raise ValueError("--grpc-tls-cert and --grpc-tls-key go together")
+        tls = (open(args.grpc_tls_cert, "rb").read(), open(args.grpc_tls_key, "rb").read())
+    public_grpc: PublicGrpcServer | None = None  # made on the serving loop (grpc.aio binds to it)
 
     class DrainingServer(uvicorn.Server):
         def handle_exit(self, sig, frame) -> None:
@@ -154,34 +173,41 @@ def _serve_http(args, info, max_model_len: int, handles: list, policy, secret: s
             loop.create_task(public_grpc.set_serving(False))
             loop.create_task(_drain(self, state))
 
-    tls = None
-    if args.grpc_tls_cert or args.grpc_tls_key:
-        if not (args.grpc_tls_cert and args.grpc_tls_key):
-            raise ValueError("--grpc-tls-cert and --grpc-tls-key go together")
-        tls = (open(args.grpc_tls_cert, "rb").read(), open(args.grpc_tls_key, "rb").read())
-    public_grpc = None
-
     async def main() -> None:
         nonlocal public_grpc
-        await pool.start()
         public_grpc = PublicGrpcServer(state, args.host, args.grpc_port, tls)
-        await public_grpc.start()
+        await public_grpc.start(serving=False)
         server = DrainingServer(uvicorn.Config(build_app(state), host=args.host, port=args.port, log_level="warning",
                                                timeout_graceful_shutdown=5))
         serving = asyncio.create_task(server.serve())
         while not server.started and not serving.done():
             await asyncio.sleep(0.05)
-        if server.started:
-            _say(f"ready: http://{args.host}:{args.port}/v1 and grpc {args.host}:{public_grpc.port} serving "
-                 f"{config.served_model_name} ({args.mode})")
-        await serving
-        await public_grpc.stop()
-        await pool.stop()
+        try:
+            if server.started:
+                _say(f"listening on http://{args.host}:{args.port} and grpc {args.host}:{public_grpc.port}; "
+                     "not ready until the workers are")
+                launch = asyncio.get_running_loop().run_in_executor(
+                    None, _launch, engine, args, num_prefill, secret, handles)
+                await asyncio.wait({launch, serving}, return_when=asyncio.FIRST_COMPLETED)
+                if launch.done():
+                    launch.result()  # a worker that did not start stops everything, with its error
+                    pool.add_workers("decode", [h.address for h in handles if h.role == "decode"])
+                    pool.add_workers("prefill", [h.address for h in handles if h.role == "prefill"])
+                    await pool.start()
+                    if not state.draining:
+                        await public_grpc.set_serving(True)
+                        _say(f"ready: http://{args.host}:{args.port}/v1 and grpc {args.host}:{public_grpc.port} "
+                             f"serving {config.served_model_name} ({args.mode})")
+            await serving
+        finally:
+            if not serving.done():
+                server.should_exit = True
+                await serving
+            await public_grpc.stop()
+            await pool.stop()
 
     asyncio.run(main())
     return 0
-
-
 async def _drain(server, state) -> None:
     deadline = time.monotonic() + state.config.drain_timeout_s
     while state.num_in_flight and time.monotonic() < deadline:

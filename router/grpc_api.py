@@ -166,9 +166,9 @@ class PublicGrpcServer:
         if self.port == 0:
             raise OSError(f"could not bind the gRPC API to {address}")
 
-    async def start(self) -> None:
+    async def start(self, serving: bool = True) -> None:
         await self.server.start()
-        await self.set_serving(True)
+        await self.set_serving(serving)
 
     async def set_serving(self, serving: bool) -> None:
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING

@@ -37,6 +37,11 @@ class WorkerPool:
         self._task: asyncio.Task | None = None
         self.failures_to_drop = 3  # consecutive failed Stats before a worker leaves routing
 
+    def add_workers(self, role: str, addresses: list[str]) -> None:
+        """Workers that started after the pool was made (they join routing once healthy)."""
+        views = self.decode if role == "decode" else self.prefill
+        views.extend(WorkerView(role, address) for address in addresses)
+
     # -- stubs --------------------------------------------------------------------------------
     def _channel(self, address: str) -> grpc.aio.Channel:
         if address not in self._channels:

@@ -61,7 +61,9 @@ class LiveServer:
                 self.process.wait(10)
 
 
-def start_server(model_dir, mode: str, *extra: str, api_key: str | None = None, ready_timeout_s: float = 300) -> LiveServer:
+def start_server(model_dir, mode: str, *extra: str, api_key: str | None = None, ready_timeout_s: float = 300,
+                 wait_for: str = "ready: http") -> LiveServer:
+    """Start `tandem serve` and return once its log shows ``wait_for``."""
     port, grpc_port = free_port(), free_port()
     command = [sys.executable, "-m", "cluster.cli", "serve", "--model", str(model_dir), "--dtype", "float32",
                "--host", "127.0.0.1", "--port", str(port), "--grpc-port", str(grpc_port), "--mode", mode, "--max-model-len", "1024",
@@ -78,7 +80,7 @@ def start_server(model_dir, mode: str, *extra: str, api_key: str | None = None, 
     while time.monotonic() < deadline:
         if process.poll() is not None:
             raise RuntimeError(f"tandem serve exited with {process.returncode}:\n" + "".join(server.log[-40:]))
-        if any("ready: http" in line for line in server.log):
+        if any(wait_for in line for line in server.log):
             return server
         time.sleep(0.2)
     server.stop()

@@ -186,8 +186,15 @@ def test_fifty_concurrent_streams(disagg_server, llm):
 
 
 def test_sigterm_drains_and_leaves_no_process(smollm_dir):
-    server = start_server(smollm_dir, "colocated", "--drain-timeout", "2")
+    server = start_server(smollm_dir, "colocated", "--drain-timeout", "2", wait_for="listening on")
     try:
+        # up but not ready while the workers load: probes can tell
+        assert httpx.get(f"{server.base_url}/health", timeout=10).status_code == 200
+        assert httpx.get(f"{server.base_url}/ready", timeout=10).status_code == 503
+        with grpc.insecure_channel(server.grpc_target) as channel:
+            health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+            assert health.status == health_pb2.HealthCheckResponse.NOT_SERVING
+        wait_until(lambda: any("ready: http" in line for line in server.log), timeout_s=300, what="ready")
         children = server.descendants()
         assert children, "tandem serve started no processes?"
         body = {"model": "smollm2-135m-instruct", "prompt": "Count slowly:", "max_tokens": 900, "ignore_eos": True,
@@ -258,3 +265,11 @@ def test_cached_tokens_and_stop_strings(disagg_server, llm):
     reference = llm.generate("[stop] One, two, three, four", SamplingParams(temperature=0.0, max_tokens=20, stop=[","]))
     assert stopped.choices[0].text == reference[0].outputs[0].text and "," not in stopped.choices[0].text
     assert stopped.choices[0].finish_reason == reference[0].outputs[0].finish_reason
+
+
+def test_a_worker_that_cannot_start_is_a_clear_error(smollm_dir):
+    with pytest.raises(RuntimeError) as info:  # the engine refuses: 2 blocks cannot hold 1024 tokens
+        start_server(smollm_dir, "colocated", "--num-kv-blocks", "2", ready_timeout_s=180)
+    message = str(info.value)
+    assert "exited with 1" in message and "decode worker failed to start" in message
+    assert "max_model_len" in message and "stopped" in message
