@@ -55,7 +55,9 @@ def add_serve_parser(commands) -> None:
     p.add_argument("--max-queue", type=int, default=_env("MAX_QUEUE", 256, int), help="requests in flight before 429")
     p.add_argument("--kv-transport", choices=list(_TRANSPORTS), default=_env("KV_TRANSPORT", "grpc"))
     p.add_argument("--kv-failure-policy", choices=["recompute", "fail"], default=_env("KV_FAILURE_POLICY", "recompute"))
-    p.add_argument("--routing-policy", choices=["load", "round-robin", "prefix"], default=_env("ROUTING_POLICY", "load"))
+    p.add_argument("--routing-policy", choices=["prefix", "load", "round-robin"], default=_env("ROUTING_POLICY", "prefix"))
+    p.add_argument("--redis-url", default=_env("REDIS_URL", None),
+                   help="the prefix index (redis:// or rediss://, password in the URL); default: a private Redis")
     p.add_argument("--local-prefill-max-tokens", type=int, default=_env("LOCAL_PREFILL_MAX_TOKENS", 0, int),
                    help="in disagg mode, prompts this short are prefilled on the decode worker")
     p.add_argument("--drain-timeout", type=float, default=_env("DRAIN_TIMEOUT", 30.0, float))
@@ -97,7 +99,13 @@ def run_serve(args: argparse.Namespace) -> int:
     secret = os.environ.get("TANDEM_CLUSTER_SECRET") or secrets.token_urlsafe(32)
     handles: list = []  # every worker launched, whatever happens next, so that all are stopped
     from cluster.actors import WorkerStartupError
+    from cluster.redis_server import PrivateRedis
 
+    private_redis = None
+    if not args.redis_url:
+        private_redis = PrivateRedis()
+        args.redis_url = private_redis.start()
+        _say(f"prefix index: private Redis on 127.0.0.1:{private_redis.port}")
     try:
         return _serve(args, info, engine, max_model_len, num_prefill, policy, secret, handles)
     except WorkerStartupError as exc:
@@ -108,6 +116,8 @@ def run_serve(args: argparse.Namespace) -> int:
             ray.kill(handle.actor, no_restart=True)
         if started_ray:
             ray.shutdown()
+        if private_redis is not None:
+            private_redis.close()
         _say("stopped")
 
 
@@ -116,14 +126,17 @@ def _launch(engine, args, num_prefill: int, secret: str, handles: list) -> None:
     ``handles``, then the first failure, if any, is raised."""
     from cluster.actors import Placement, launch_worker
     from decode_worker.worker import DecodeWorkerConfig
+    from kv_transfer.prefix_events import PrefixIndexConfig
     from kv_transfer.worker_rpc import ServerConfig
     from prefill_worker.worker import PrefillWorkerConfig
 
     server = ServerConfig("", args.worker_port, secret)
     policy = KVFailurePolicy(args.kv_failure_policy)
     placement = Placement(ready_timeout_s=args.ready_timeout)
-    jobs = [("prefill", PrefillWorkerConfig(engine, server))] * num_prefill
-    jobs += [("decode", DecodeWorkerConfig(engine, server, kv_failure_policy=policy))] * args.decode_workers
+    index = PrefixIndexConfig(args.redis_url)
+    jobs = [("prefill", PrefillWorkerConfig(engine, server, prefix_index=index))] * num_prefill
+    jobs += [("decode", DecodeWorkerConfig(engine, server, prefix_index=index, kv_failure_policy=policy))
+             ] * args.decode_workers
     _say(f"starting {num_prefill} prefill and {args.decode_workers} decode workers "
          f"({args.worker_threads} threads each)")
     start = time.monotonic()
@@ -148,6 +161,7 @@ def _serve(args, info, engine, max_model_len: int, num_prefill: int, policy, sec
 
     from router.app import build_app
     from router.grpc_api import PublicGrpcServer
+    from router.prefix_index import PrefixIndex
     from router.state import RouterConfig, RouterState
     from router.workers import WorkerPool
 
@@ -155,7 +169,8 @@ def _serve(args, info, engine, max_model_len: int, num_prefill: int, policy, sec
                           api_key=args.api_key, max_queue=args.max_queue, kv_transport=_TRANSPORTS[args.kv_transport],
                           drain_timeout_s=args.drain_timeout, local_prefill_max_tokens=args.local_prefill_max_tokens)
     pool = WorkerPool([], [], secret, policy)
-    state = RouterState(config, info, pool)
+    index = PrefixIndex(args.redis_url) if args.routing_policy == "prefix" else None
+    state = RouterState(config, info, pool, index)
     tls = None
     if args.grpc_tls_cert or args.grpc_tls_key:
         if not (args.grpc_tls_cert and args.grpc_tls_key):
@@ -175,6 +190,7 @@ def _serve(args, info, engine, max_model_len: int, num_prefill: int, policy, sec
 
     async def main() -> None:
         nonlocal public_grpc
+        sweeping = None
         public_grpc = PublicGrpcServer(state, args.host, args.grpc_port, tls)
         await public_grpc.start(serving=False)
         server = DrainingServer(uvicorn.Config(build_app(state), host=args.host, port=args.port, log_level="warning",
@@ -194,6 +210,9 @@ def _serve(args, info, engine, max_model_len: int, num_prefill: int, policy, sec
                     pool.add_workers("decode", [h.address for h in handles if h.role == "decode"])
                     pool.add_workers("prefill", [h.address for h in handles if h.role == "prefill"])
                     await pool.start()
+                    if index is not None:
+                        await index.start()
+                        sweeping = asyncio.create_task(_sweep_forever(index, pool))
                     if not state.draining:
                         await public_grpc.set_serving(True)
                         _say(f"ready: http://{args.host}:{args.port}/v1 and grpc {args.host}:{public_grpc.port} "
@@ -205,9 +224,25 @@ def _serve(args, info, engine, max_model_len: int, num_prefill: int, policy, sec
                 await serving
             await public_grpc.stop()
             await pool.stop()
+            if sweeping is not None:
+                sweeping.cancel()
+            if index is not None:
+                await index.close()
 
     asyncio.run(main())
     return 0
+async def _sweep_forever(index, pool, every_s: float = 30.0) -> None:
+    """Delete the index entries of worker incarnations whose heartbeat expired."""
+    while True:
+        await asyncio.sleep(every_s)
+        reference = next((w.stats for w in pool.decode + pool.prefill if w.stats and w.stats.prefix_incarnation), None)
+        if reference is not None:
+            try:
+                await index.sweep_dead(reference.prefix_namespace)
+            except Exception as exc:  # the index is best effort: never take the server down
+                logging.getLogger(__name__).warning("prefix index sweep failed: %s", exc)
+
+
 async def _drain(server, state) -> None:
     deadline = time.monotonic() + state.config.drain_timeout_s
     while state.num_in_flight and time.monotonic() < deadline:

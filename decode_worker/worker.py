@@ -22,6 +22,7 @@ from engine.llm import EngineArgs
 from engine.remote_kv import KVFailurePolicy
 from kv_transfer.grpc_transport import KVTransferServicer
 from kv_transfer.inbox import EngineInbox, TransferFailed
+from kv_transfer.prefix_events import PrefixEventPublisher, PrefixIndexConfig, attach_publisher
 from kv_transfer.torch_dist import TorchDistKVReceiver
 from kv_transfer.worker_rpc import (
     CHANNEL_OPTIONS, ServerConfig, WorkerServer, output_to_chunk, params_from_proto, params_to_proto, secret_metadata,
@@ -43,6 +44,7 @@ class DecodeWorkerConfig:
     engine: EngineArgs
     server: ServerConfig
     kv_failure_policy: KVFailurePolicy = KVFailurePolicy.RECOMPUTE  # --kv-failure-policy
+    prefix_index: PrefixIndexConfig | None = None  # publish cached blocks to Redis
     kv_deadline_s: float = 30.0  # how long a prompt's KV may take to land
     stall_timeout_s: float = 300.0  # a stream with no output for this long is failed
 
@@ -72,7 +74,9 @@ class DecodeWorker(pb_grpc.DecodeWorkerServicer):
         self.config = config
         self.core: EngineCore = config.engine.build().engine_core
         self.inbox = EngineInbox()
-        self.engine_loop = EngineLoop(self.core, before_step=lambda core: self.inbox.drain_into(core).outputs)
+        self.engine_loop = EngineLoop(self.core, before_step=lambda core: self.inbox.drain_into(core).outputs,
+                                      after_step=self._publish_events)
+        self.publisher: PrefixEventPublisher | None = None
         self.inbox.on_put = self.engine_loop.wake
         cache = self.core.kv_cache.layers[0]
         self._token_shape = tuple(cache.shape[2:])
@@ -88,13 +92,23 @@ class DecodeWorker(pb_grpc.DecodeWorkerServicer):
         server.add_generic_rpc_handlers((self._kv_servicer.aio_handler(),))
 
     def start(self) -> str:
-        """Start the engine loop and the server; returns host:port."""
+        """Start the server, the prefix-event publisher and the engine loop; returns host:port."""
+        address = self.server.start()
+        self.publisher = attach_publisher(self.core, self.config.prefix_index, address)
+        if self.publisher is not None:
+            self.publisher.start()
         self.engine_loop.start()
-        return self.server.start()
+        return address
 
     def stop(self) -> None:
         self.server.stop()
         self.engine_loop.stop()
+        if self.publisher is not None:
+            self.publisher.stop()
+
+    def _publish_events(self, core: EngineCore) -> None:
+        if self.publisher is not None:
+            self.publisher.publish(core.block_pool.take_events())
 
     @property
     def address(self) -> str:
@@ -206,7 +220,8 @@ class DecodeWorker(pb_grpc.DecodeWorkerServicer):
     def stats(self) -> pb.WorkerStats:
         """Read without waiting for the engine thread (a long step must not make the worker
         look dead): each figure is current, together they may be a step apart."""
-        return worker_stats(self.core, "decode", self.address, num_held_transfers=len(self.core.scheduler.waiting_for_remote_kv))
+        return worker_stats(self.core, "decode", self.address, num_held_transfers=len(self.core.scheduler.waiting_for_remote_kv),
+                            prefix_incarnation=self.publisher.incarnation if self.publisher else "")
 
 
 class _NoCapacity(Exception):

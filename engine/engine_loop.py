@@ -26,9 +26,11 @@ BeforeStep = Callable[[EngineCore], list[EngineCoreOutput]]
 
 
 class EngineLoop:
-    def __init__(self, core: EngineCore, before_step: BeforeStep | None = None, idle_poll_s: float = 0.005):
+    def __init__(self, core: EngineCore, before_step: BeforeStep | None = None, idle_poll_s: float = 0.005,
+                 after_step: Callable[[EngineCore], None] | None = None):
         self.core = core
         self._before_step = before_step
+        self._after_step = after_step  # e.g. publish the step's prefix-cache events
         self._idle_poll_s = idle_poll_s  # how often an idle loop looks at remote-KV deadlines
         self._calls: queue.SimpleQueue = queue.SimpleQueue()
         self._listeners: dict[str, OutputListener] = {}
@@ -84,6 +86,8 @@ class EngineLoop:
                 outputs = self._before_step(self.core) if self._before_step else []
                 if self.core.has_unfinished_requests():
                     outputs += self._step()
+                    if self._after_step is not None:
+                        self._after_step(self.core)
                 self._dispatch(outputs)
                 if not outputs and not self._has_runnable():
                     self._wake.wait(self._idle_poll_s if self.core.has_unfinished_requests() else 0.5)

@@ -163,7 +163,7 @@ def output_to_chunk(output: EngineCoreOutput, num_prompt_tokens: int) -> pb.Gene
 
 
 def worker_stats(core: EngineCore, role: str, address: str, kv_bytes_sent: int = 0,
-                 num_held_transfers: int = 0) -> pb.WorkerStats:
+                 num_held_transfers: int = 0, prefix_incarnation: str = "") -> pb.WorkerStats:
     scheduler, pool, counters = core.scheduler, core.block_pool, core.counters
     return pb.WorkerStats(
         role=role, address=address, num_kv_blocks=pool.num_blocks, num_free_kv_blocks=pool.num_free_blocks,
@@ -174,4 +174,6 @@ def worker_stats(core: EngineCore, role: str, address: str, kv_bytes_sent: int =
         kv_bytes_received=core.kv_importer.num_bytes_received, kv_bytes_sent=kv_bytes_sent,
         num_kv_recomputed=counters.num_kv_recomputed, num_kv_failed=counters.num_kv_failed,
         num_held_transfers=num_held_transfers, max_num_running=counters.max_num_running,
+        prefix_namespace=core.kv_manager.namespace, prefix_incarnation=prefix_incarnation,
+        block_size=core.kv_manager.block_size,
     )

@@ -19,6 +19,7 @@ from engine.engine_core import EngineCore, EngineCoreOutput
 from engine.engine_loop import EngineLoop
 from engine.llm import EngineArgs
 from engine.remote_kv import KVExport, prefill_side_params
+from kv_transfer.prefix_events import PrefixEventPublisher, PrefixIndexConfig, attach_publisher
 from kv_transfer.torch_dist import TorchDistKVSink
 from kv_transfer.worker_rpc import CHANNEL_OPTIONS, ServerConfig, WorkerServer, params_from_proto, worker_stats
 from prefill_worker.sinks import FramePause, RequestSink, grpc_request_sink, torch_request_sink
@@ -30,6 +31,7 @@ from proto import worker_pb2_grpc as pb_grpc
 class PrefillWorkerConfig:
     engine: EngineArgs
     server: ServerConfig
+    prefix_index: PrefixIndexConfig | None = None  # publish cached blocks to Redis
     default_deadline_s: float = 30.0  # for requests that name none
 
 
@@ -37,7 +39,8 @@ class PrefillWorker(pb_grpc.PrefillWorkerServicer):
     def __init__(self, config: PrefillWorkerConfig) -> None:
         self.config = config
         self.core: EngineCore = config.engine.build().engine_core
-        self.engine_loop = EngineLoop(self.core)
+        self.engine_loop = EngineLoop(self.core, after_step=self._publish_events)
+        self.publisher: PrefixEventPublisher | None = None
         self.server = WorkerServer(config.server, lambda server: pb_grpc.add_PrefillWorkerServicer_to_server(self, server))
         self._channels: dict[str, grpc.Channel] = {}  # decode worker address -> channel (aio loop only)
         self._torch_pairs: dict[str, TorchDistKVSink] = {}  # decode rendezvous -> pair (aio loop only)
@@ -46,14 +49,24 @@ class PrefillWorker(pb_grpc.PrefillWorkerServicer):
         self.pause = FramePause()  # test hook: hold KV frames mid-transfer (see arm)
 
     def start(self) -> str:
+        address = self.server.start()
+        self.publisher = attach_publisher(self.core, self.config.prefix_index, address)
+        if self.publisher is not None:
+            self.publisher.start()
         self.engine_loop.start()
-        return self.server.start()
+        return address
+
+    def _publish_events(self, core: EngineCore) -> None:
+        if self.publisher is not None:
+            self.publisher.publish(core.block_pool.take_events())
 
     def stop(self) -> None:
         for pair in self._torch_pairs.values():
             pair.finish(timeout_s=5)
         self.server.stop()
         self.engine_loop.stop()
+        if self.publisher is not None:
+            self.publisher.stop()
 
     @property
     def address(self) -> str:
@@ -125,7 +138,8 @@ class PrefillWorker(pb_grpc.PrefillWorkerServicer):
         return self.stats()  # read without waiting for the engine thread, as the decode worker's
 
     def stats(self) -> pb.WorkerStats:
-        return worker_stats(self.core, "prefill", self.address, self.kv_bytes_sent, len(self._held))
+        return worker_stats(self.core, "prefill", self.address, self.kv_bytes_sent, len(self._held),
+                            self.publisher.incarnation if self.publisher else "")
 
 
 class _Notify:

@@ -14,8 +14,11 @@ from dataclasses import dataclass
 
 import grpc
 
+from engine.kv_cache.block_hash import hash_blocks
 from proto import worker_pb2 as pb
 from router.errors import APIError
+from router.policy import RouteRequest
+from router.prefix_index import PrefixIndex
 from router.workers import Assignment, WorkerPool
 
 _RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN,
@@ -48,8 +51,10 @@ def api_error(exc: grpc.aio.AioRpcError) -> APIError:
 
 
 class Dispatcher:
-    def __init__(self, pool: WorkerPool, kv_transport: int, local_prefill_max_tokens: int = 0) -> None:
+    def __init__(self, pool: WorkerPool, kv_transport: int, local_prefill_max_tokens: int = 0,
+                 index: PrefixIndex | None = None) -> None:
         self.pool = pool
+        self.index = index  # None: no prefix index (route by load)
         self.kv_transport = kv_transport
         # a prompt this short costs less to prefill on the decode worker than to transfer
         self.local_prefill_max_tokens = local_prefill_max_tokens
@@ -57,14 +62,15 @@ class Dispatcher:
 
     async def stream(self, sequence: Sequence) -> AsyncIterator[pb.GenerateChunk]:
         tried: set[str] = set()
+        route = await self.route(sequence.request)
         for attempt in range(2):
-            assignment = self.pool.assign(frozenset(tried))
+            assignment = self.pool.assign(frozenset(tried), route)
             if assignment is None:
                 raise APIError(503, "no healthy worker is available; try again shortly",
                                headers={"Retry-After": "1"})
             started = False
             try:
-                async for chunk in self._attempt(sequence, assignment):
+                async for chunk in self._attempt(sequence, assignment, route):
                     started = True
                     yield chunk
                 return
@@ -75,12 +81,27 @@ class Dispatcher:
                 if assignment.prefill is not None:
                     tried.add(assignment.prefill.address)
 
-    async def _attempt(self, sequence: Sequence, assignment: Assignment) -> AsyncIterator[pb.GenerateChunk]:
+    async def route(self, request: pb.GenerateRequest) -> RouteRequest:
+        """What the prefix index says about this prompt: each worker's leading cached tokens."""
+        num_prompt = len(request.prompt_token_ids)
+        workers = self.pool.decode + self.pool.prefill
+        reference = next((w.stats for w in workers if w.stats is not None and w.stats.prefix_incarnation), None)
+        if self.index is None or reference is None:
+            return RouteRequest(num_prompt)
+        salt = (request.cache_salt,) if request.cache_salt else ()
+        digests = hash_blocks(reference.prefix_namespace, list(request.prompt_token_ids), reference.block_size, salt)
+        held = await self.index.leading_blocks(reference.prefix_namespace, digests, workers)
+        hits = None if held is None else {address: n * reference.block_size for address, n in held.items()}
+        return RouteRequest(num_prompt, hits)
+
+    async def _attempt(self, sequence: Sequence, assignment: Assignment,
+                       route: RouteRequest) -> AsyncIterator[pb.GenerateChunk]:
         request = pb.GenerateRequest()
         request.CopyFrom(sequence.request)
         decode, prefill = assignment.decode, assignment.prefill
         num_prompt = len(request.prompt_token_ids)
-        if num_prompt <= self.local_prefill_max_tokens or request.params.HasField("prompt_logprobs"):
+        missing = num_prompt - (route.hits or {}).get(decode.address, 0)  # what the decode worker lacks
+        if missing <= self.local_prefill_max_tokens or request.params.HasField("prompt_logprobs"):
             prefill = None  # short, or needs prompt logprobs (computed only where the prompt is prefilled)
         if prefill is not None:
             request.prefill.address = prefill.address

@@ -7,7 +7,19 @@ Stats and what the router itself has in flight there) and returns the chosen one
   i.e. fewest sequences per percent of free KV (ties: fewest in flight, then address), and
   the prefill worker with the lowest router_prompt_tokens_in_flight + waiting (its queued
   prompt work as this router knows it; ties by address).
-- ``prefix`` comes with the Redis prefix index.
+- ``prefix`` (router/prefix_index.py supplies, per request, each worker's leading cached
+  tokens ``hit``; without it, it is ``load``):
+    decode worker: the lowest
+        2 x (1 - hit / prompt_tokens) + sequences / (sequences + 8) + (1 - free_kv / num_kv)
+      where sequences = max(router_in_flight, running + waiting): the prefix term dominates
+      (the next turn of a chat goes where its history is), the load terms (each in [0, 1))
+      break ties and push work away from a worker whose queue and KV fill up;
+    prefill worker: the lowest predicted time to first token
+      = (its queued prompt tokens + prompt_tokens - hit) / its prefill rate (tokens/s, an
+      average of what its Stats show it computing, PREFILL_RATE_DEFAULT until measured).
+    The KV transfer time is the same for every prefill worker once the decode worker is
+    chosen, so it does not change the choice. Whether to use a prefill worker at all is the
+    dispatcher's call (--local-prefill-max-tokens against the suffix the decode worker lacks).
 """
 
 from __future__ import annotations
@@ -30,26 +42,35 @@ class WorkerView:
     in_flight: int = 0  # requests this router has there now
     prompt_tokens_in_flight: int = 0  # prompt tokens of those (prefill load)
     failures: int = field(default=0)  # consecutive failed Stats calls
+    prefill_rate: float = 0.0  # prompt tokens/s it computed while busy (moving average; 0: unknown)
+
+
+@dataclass(frozen=True, slots=True)
+class RouteRequest:
+    """What a policy may know about the request being placed."""
+
+    num_prompt_tokens: int
+    hits: dict[str, int] | None = None  # address -> leading prompt tokens cached there; None: unknown
 
 
 class RoutingPolicy(ABC):
     """Called on the router's event loop; must not block. Returns None when no healthy worker."""
 
     @abstractmethod
-    def pick(self, workers: list[WorkerView]) -> WorkerView | None: ...
+    def pick(self, workers: list[WorkerView], route: RouteRequest | None = None) -> WorkerView | None: ...
 
 
 class RoundRobinPolicy(RoutingPolicy):
     def __init__(self) -> None:
         self._counter = itertools.count()
 
-    def pick(self, workers: list[WorkerView]) -> WorkerView | None:
+    def pick(self, workers: list[WorkerView], route: RouteRequest | None = None) -> WorkerView | None:
         healthy = [w for w in workers if w.healthy]
         return healthy[next(self._counter) % len(healthy)] if healthy else None
 
 
 class LoadPolicy(RoutingPolicy):
-    def pick(self, workers: list[WorkerView]) -> WorkerView | None:
+    def pick(self, workers: list[WorkerView], route: RouteRequest | None = None) -> WorkerView | None:
         healthy = [w for w in workers if w.healthy]
         if not healthy:
             return None
@@ -66,13 +87,36 @@ class LoadPolicy(RoutingPolicy):
         return (sequences / max(1.0, free_percent), worker.in_flight, worker.address)
 
 
-POLICIES = {"round-robin": RoundRobinPolicy, "load": LoadPolicy}
+PREFILL_RATE_DEFAULT = 2000.0  # prompt tokens/s assumed for a prefill worker not yet measured
+
+
+class PrefixPolicy(RoutingPolicy):
+    def pick(self, workers: list[WorkerView], route: RouteRequest | None = None) -> WorkerView | None:
+        healthy = [w for w in workers if w.healthy]
+        if not healthy:
+            return None
+        if route is None or route.hits is None:
+            return LoadPolicy().pick(healthy)
+        prompt = max(1, route.num_prompt_tokens)
+        if healthy[0].role == "decode":
+            def score(worker: WorkerView) -> tuple:
+                stats = worker.stats
+                sequences = max(worker.in_flight, stats.num_running + stats.num_waiting if stats else 0)
+                kv_used = 1 - stats.num_free_kv_blocks / stats.num_kv_blocks if stats and stats.num_kv_blocks else 0
+                uncached = 1 - min(route.hits.get(worker.address, 0), prompt) / prompt
+                return (2 * uncached + sequences / (sequences + 8) + kv_used, worker.address)
+        else:
+            def score(worker: WorkerView) -> tuple:
+                rate = worker.prefill_rate or PREFILL_RATE_DEFAULT
+                queued = worker.prompt_tokens_in_flight + (worker.stats.num_waiting if worker.stats else 0)
+                return ((queued + prompt - route.hits.get(worker.address, 0)) / rate, worker.address)
+        return min(healthy, key=score)
+
+
+POLICIES = {"round-robin": RoundRobinPolicy, "load": LoadPolicy, "prefix": PrefixPolicy}
 
 
 def make_policy(name: str) -> RoutingPolicy:
-    if name == "prefix":
-        raise ValueError("--routing-policy prefix needs the Redis prefix index, which is not built yet; "
-                         "use load or round-robin")
     if name not in POLICIES:
         raise ValueError(f"unknown routing policy {name!r} (choose from {', '.join(POLICIES)})")
     return POLICIES[name]()

@@ -14,6 +14,7 @@ from engine.model_info import ModelInfo
 from proto import worker_pb2 as pb
 from router.dispatch import Dispatcher
 from router.errors import APIError
+from router.prefix_index import PrefixIndex
 from router.workers import WorkerPool
 
 
@@ -35,12 +36,13 @@ class RouterConfig:
 
 
 class RouterState:
-    def __init__(self, config: RouterConfig, info: ModelInfo, pool: WorkerPool) -> None:
+    def __init__(self, config: RouterConfig, info: ModelInfo, pool: WorkerPool, index: PrefixIndex | None = None) -> None:
         self.config = config
         self.tokenizer = info.tokenizer
         self.generation = info.generation
         self.pool = pool
-        self.dispatcher = Dispatcher(pool, config.kv_transport, config.local_prefill_max_tokens)
+        self.index = index
+        self.dispatcher = Dispatcher(pool, config.kv_transport, config.local_prefill_max_tokens, index)
         self.draining = False
         self.num_in_flight = 0
         self.started = time.time()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass
 
 import grpc
@@ -13,7 +14,7 @@ import grpc
 from kv_transfer.worker_rpc import CHANNEL_OPTIONS, secret_metadata
 from proto import worker_pb2 as pb
 from proto import worker_pb2_grpc as pb_grpc
-from router.policy import RoutingPolicy, WorkerView
+from router.policy import RouteRequest, RoutingPolicy, WorkerView
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +37,7 @@ class WorkerPool:
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._task: asyncio.Task | None = None
         self.failures_to_drop = 3  # consecutive failed Stats before a worker leaves routing
+        self._last_seen: dict[str, tuple[float, int]] = {}  # address -> (time, prompt tokens computed)
 
     def add_workers(self, role: str, addresses: list[str]) -> None:
         """Workers that started after the pool was made (they join routing once healthy)."""
@@ -75,8 +77,10 @@ class WorkerPool:
     async def poll_once(self) -> None:
         workers = self.decode + self.prefill
         results = await asyncio.gather(*(self._stats_call(w) for w in workers), return_exceptions=True)
+        now = time.monotonic()
         for worker, result in zip(workers, results):
             if isinstance(result, pb.WorkerStats):
+                self._measure_rate(worker, result, now)
                 if not worker.healthy:
                     logger.info("%s worker %s is healthy", worker.role, worker.address)
                 worker.healthy, worker.stats, worker.failures = True, result, 0
@@ -85,6 +89,15 @@ class WorkerPool:
                 if worker.healthy and worker.failures >= self.failures_to_drop:
                     logger.warning("%s worker %s is out of routing: %s", worker.role, worker.address, result)
                     worker.healthy = False
+
+    def _measure_rate(self, worker: WorkerView, stats: pb.WorkerStats, now: float) -> None:
+        """A prefill worker's prompt tokens/s, from polls in which it computed some."""
+        last = self._last_seen.get(worker.address)
+        self._last_seen[worker.address] = (now, stats.num_prompt_tokens_computed)
+        if last is None or stats.num_prompt_tokens_computed <= last[1] or now <= last[0]:
+            return
+        sample = (stats.num_prompt_tokens_computed - last[1]) / (now - last[0])
+        worker.prefill_rate = sample if not worker.prefill_rate else 0.7 * worker.prefill_rate + 0.3 * sample
 
     def mark_failed(self, worker: WorkerView) -> None:
         """A call to it failed: out of routing until its next good Stats."""
@@ -95,14 +108,14 @@ class WorkerPool:
         return any(w.healthy for w in self.decode) and (not self.prefill or any(w.healthy for w in self.prefill))
 
     # -- dispatch -----------------------------------------------------------------------------
-    def assign(self, exclude: frozenset[str] = frozenset()) -> Assignment | None:
+    def assign(self, exclude: frozenset[str] = frozenset(), route: RouteRequest | None = None) -> Assignment | None:
         """A decode worker and (disaggregated) a prefill worker, avoiding ``exclude`` addresses."""
-        decode = self._policy.pick([w for w in self.decode if w.address not in exclude])
+        decode = self._policy.pick([w for w in self.decode if w.address not in exclude], route)
         if decode is None:
             return None
         if not self.prefill:
             return Assignment(decode, None)
-        prefill = self._policy.pick([w for w in self.prefill if w.address not in exclude])
+        prefill = self._policy.pick([w for w in self.prefill if w.address not in exclude], route)
         if prefill is None:
             return None
         return Assignment(decode, prefill)

@@ -13,11 +13,24 @@ from __future__ import annotations
 
 import random
 from collections import OrderedDict
+from dataclasses import dataclass
 from typing import Callable
 
 from engine.kv_cache.block_hash import BlockHash
 
 Listener = Callable[[list[int]], None]
+
+
+@dataclass(frozen=True, slots=True)
+class KVEvents:
+    """What changed in the prefix cache since the last ``take_events`` (net: a digest stored
+    and evicted in between appears once, in its final state)."""
+
+    stored: list[BlockHash]  # digests whose KV this pool now holds for reuse
+    evicted: list[BlockHash]  # digests it no longer holds
+
+    def __bool__(self) -> bool:
+        return bool(self.stored or self.evicted)
 
 
 class BlockPool:
@@ -41,6 +54,7 @@ class BlockPool:
         self._cached: dict[BlockHash, int] = {}
         self._discard_listeners: list[Listener] = []
         self.num_evictions = 0
+        self._events: dict[BlockHash, bool] | None = None  # digest -> held now; None: not recorded
 
     @property
     def num_free_blocks(self) -> int:
@@ -50,6 +64,20 @@ class BlockPool:
     @property
     def num_cached_blocks(self) -> int:
         return len(self._cached)
+
+    def record_events(self) -> None:
+        """Start recording stored / evicted digests (a worker that publishes them calls this)."""
+        self._events = {}
+
+    def take_events(self) -> KVEvents:
+        if self._events is None:
+            return KVEvents([], [])
+        events, self._events = self._events, {}
+        return KVEvents([d for d, held in events.items() if held], [d for d, held in events.items() if not held])
+
+    def cached_digests(self) -> list[BlockHash]:
+        """Every digest held now (to republish the whole set)."""
+        return list(self._cached)
 
     def add_discard_listener(self, listener: Listener) -> None:
         self._discard_listeners.append(listener)
@@ -77,6 +105,8 @@ class BlockPool:
                 del self._cached[digest]
                 self._hash_of[block_id] = None
                 evicted.append(block_id)
+                if self._events is not None:
+                    self._events[digest] = False
         self.num_evictions += len(evicted)
         self._discarded(evicted)
         return block_ids
@@ -110,6 +140,8 @@ class BlockPool:
             return False
         self._cached[digest] = block_id
         self._hash_of[block_id] = digest
+        if self._events is not None:
+            self._events[digest] = True
         return True
 
     def lookup(self, digest: BlockHash) -> int | None:

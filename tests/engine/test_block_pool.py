@@ -44,3 +44,22 @@ def test_manager_grows_tables_and_detects_leaks():
     manager.pool.allocate(1)  # a block nobody's table holds
     with pytest.raises(AssertionError, match="held by requests"):
         manager.check_integrity()
+
+
+def test_prefix_cache_events_are_net_and_only_when_recorded():
+    from engine.kv_cache.block_pool import BlockPool
+
+    pool = BlockPool(2)
+    (block,) = pool.allocate(1)
+    pool.cache_block(block, b"a" * 16)
+    assert not pool.take_events()  # not recording: nothing kept
+    pool.record_events()
+    (other,) = pool.allocate(1)
+    pool.cache_block(other, b"b" * 16)
+    pool.free([block, other])
+    events = pool.take_events()
+    assert events.stored == [b"b" * 16] and events.evicted == []
+    pool.allocate(2)  # evicts both cached digests
+    events = pool.take_events()
+    assert sorted(events.evicted) == [b"a" * 16, b"b" * 16] and events.stored == []
+    assert pool.cached_digests() == [] and not pool.take_events()

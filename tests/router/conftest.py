@@ -62,7 +62,7 @@ class LiveServer:
 
 
 def start_server(model_dir, mode: str, *extra: str, api_key: str | None = None, ready_timeout_s: float = 300,
-                 wait_for: str = "ready: http") -> LiveServer:
+                 wait_for: str = "ready: http", env: dict | None = None) -> LiveServer:
     """Start `tandem serve` and return once its log shows ``wait_for``."""
     port, grpc_port = free_port(), free_port()
     command = [sys.executable, "-m", "cluster.cli", "serve", "--model", str(model_dir), "--dtype", "float32",
@@ -71,7 +71,10 @@ def start_server(model_dir, mode: str, *extra: str, api_key: str | None = None, 
                *extra]
     if api_key:
         command += ["--api-key", api_key]
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("TANDEM_API", "RAY_ADDRESS"))}
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith(("TANDEM_", "RAY_ADDRESS"))}, **(env or {})}
+    env.setdefault("TANDEM_CACHE_DIR", os.environ.get("TANDEM_CACHE_DIR", ""))
+    if not env["TANDEM_CACHE_DIR"]:
+        del env["TANDEM_CACHE_DIR"]
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env,
                                cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
     server = LiveServer(process, f"http://127.0.0.1:{port}", f"127.0.0.1:{grpc_port}", mode, api_key)

