@@ -82,6 +82,13 @@ def _cmd_bench_kv_transfer(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_bench_routing(args: argparse.Namespace) -> int:
+    from bench.routing_bench import render_routing, routing_latency
+
+    print(render_routing(routing_latency(args.workers, args.prompt_tokens)))
+    return 0
+
+
 def _cmd_bench_router(args: argparse.Namespace) -> int:
     from bench.router_bench import render_router, router_overhead
 
@@ -147,6 +154,10 @@ def build_parser() -> argparse.ArgumentParser:
     router.add_argument("--threads", type=int, default=1, help="the decode worker's torch threads")
     router.add_argument("--rounds", type=int, default=3)
     router.set_defaults(func=_cmd_bench_router)
+    routing = bench_cmds.add_parser("routing", help="latency of a prefix-aware routing decision")
+    routing.add_argument("--workers", type=int, default=16)
+    routing.add_argument("--prompt-tokens", type=int, default=4096)
+    routing.set_defaults(func=_cmd_bench_routing)
     return parser
 
 

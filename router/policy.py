@@ -62,11 +62,14 @@ class RoutingPolicy(ABC):
 
 class RoundRobinPolicy(RoutingPolicy):
     def __init__(self) -> None:
-        self._counter = itertools.count()
+        self._counters: dict[str, itertools.count] = {}  # per role: decode and prefill turn separately
 
     def pick(self, workers: list[WorkerView], route: RouteRequest | None = None) -> WorkerView | None:
         healthy = [w for w in workers if w.healthy]
-        return healthy[next(self._counter) % len(healthy)] if healthy else None
+        if not healthy:
+            return None
+        counter = self._counters.setdefault(healthy[0].role, itertools.count())
+        return healthy[next(counter) % len(healthy)]
 
 
 class LoadPolicy(RoutingPolicy):

@@ -1,8 +1,8 @@
 """The router's reader of the prefix-cache index (key layout: kv_transfer/prefix_events.py).
 
-For one prompt, one Redis round trip (a pipeline: per worker incarnation, its heartbeat key
-and SMISMEMBER of the prompt's block digests) gives every worker's number of leading blocks
-held. Redis unreachable or slower than ``budget_s``: the answer is None (route by load), and
+For one prompt, one Redis round trip (a Lua script that checks each worker incarnation's
+heartbeat key and scans its block set along the prompt's digests) gives every worker's number
+of leading blocks held. Redis unreachable or slower than ``budget_s``: the answer is None (route by load), and
 the index is not asked again for ``retry_after_s`` while the client reconnects."""
 
 from __future__ import annotations
@@ -20,10 +20,28 @@ from router.policy import WorkerView
 
 logger = logging.getLogger(__name__)
 
+# KEYS: (alive key, blocks key) per worker; ARGV: the prompt's block digests in order.
+# Returns, per worker, how many leading digests its set holds (0 when its heartbeat expired):
+# the scan runs inside Redis, so the reply is one small integer per worker.
+_LEADING_HITS = """
+local counts = {}
+for w = 1, #KEYS, 2 do
+  local n = 0
+  if redis.call('EXISTS', KEYS[w]) == 1 then
+    for i = 1, #ARGV do
+      if redis.call('SISMEMBER', KEYS[w + 1], ARGV[i]) == 1 then n = i else break end
+    end
+  end
+  counts[#counts + 1] = n
+end
+return counts
+"""
+
 
 class PrefixIndex:
     def __init__(self, redis_url: str, budget_s: float = 0.010, retry_after_s: float = 1.0) -> None:
         self._client = aioredis.Redis.from_url(redis_url, socket_timeout=1.0, socket_connect_timeout=1.0)
+        self._leading_hits = self._client.register_script(_LEADING_HITS)
         self.budget_s = budget_s
         self.retry_after_s = retry_after_s
         self._down_until = 0.0
@@ -52,21 +70,17 @@ class PrefixIndex:
         if not self.is_available:
             self.num_unavailable += 1
             return None
-        pipe = self._client.pipeline(transaction=False)
+        keys = []
         for worker in published:
             incarnation = worker.stats.prefix_incarnation
-            pipe.exists(alive_key(namespace, worker.address, incarnation))
-            pipe.smismember(blocks_key(namespace, worker.address, incarnation), digests)
+            keys += [alive_key(namespace, worker.address, incarnation), blocks_key(namespace, worker.address, incarnation)]
         try:
-            results = await asyncio.wait_for(pipe.execute(), self.budget_s)
+            counts = await asyncio.wait_for(self._leading_hits(keys=keys, args=digests), self.budget_s)
         except (redis.RedisError, OSError, TimeoutError) as exc:
             self._mark_down(exc)
             return None
         held = {w.address: 0 for w in workers}
-        for index, worker in enumerate(published):
-            alive, members = results[2 * index], results[2 * index + 1]
-            if alive:
-                held[worker.address] = next((i for i, member in enumerate(members) if not member), len(members))
+        held.update({worker.address: int(count) for worker, count in zip(published, counts)})
         return held
 
     def _mark_down(self, exc: BaseException) -> None:

@@ -142,3 +142,18 @@ def test_cache_salt_and_disabled_prefix_caching(smollm_dir):
     off.generate(prompt, params)
     assert off.generate(prompt, params)[0].num_cached_tokens == 0
     assert off.engine_core.block_pool.num_cached_blocks == 0
+
+
+def test_hash_blocks_is_the_chain_of_hash_block():
+    """The batched hashing (what the router runs per request) equals block-by-block hashing."""
+    from engine.kv_cache.block_hash import hash_block, hash_blocks, namespace_digest
+
+    namespace = namespace_digest("m", 4, "torch.float32")
+    tokens = [(i * 31) % 1000 for i in range(19)]
+    for extra in ((), ("tenant-a",)):
+        expected, parent = [], namespace
+        for index in range(4):
+            parent = hash_block(parent, tokens[index * 4 : (index + 1) * 4], extra if index == 0 else ())
+            expected.append(parent)
+        assert hash_blocks(namespace, tokens, 4, extra) == expected
+        assert hash_blocks(namespace, tokens, 4, extra, known=expected[:2]) == expected
