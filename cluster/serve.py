@@ -58,8 +58,9 @@ def add_serve_parser(commands) -> None:
     p.add_argument("--routing-policy", choices=["prefix", "load", "round-robin"], default=_env("ROUTING_POLICY", "prefix"))
     p.add_argument("--redis-url", default=_env("REDIS_URL", None),
                    help="the prefix index (redis:// or rediss://, password in the URL); default: a private Redis")
-    p.add_argument("--local-prefill-max-tokens", type=int, default=_env("LOCAL_PREFILL_MAX_TOKENS", 0, int),
-                   help="in disagg mode, prompts this short are prefilled on the decode worker")
+    p.add_argument("--local-prefill-max-tokens", type=int, default=_env("LOCAL_PREFILL_MAX_TOKENS", 128, int),
+                   help="in disagg mode, a request whose uncached suffix on the decode worker is at most this "
+                        "long is prefilled there (measured crossover on this machine; see README)")
     p.add_argument("--drain-timeout", type=float, default=_env("DRAIN_TIMEOUT", 30.0, float))
     p.add_argument("--ready-timeout", type=float, default=_env("READY_TIMEOUT", 600.0, float),
                    help="seconds each worker may take to start")

@@ -92,7 +92,8 @@ def start_server(model_dir, mode: str, *extra: str, api_key: str | None = None, 
 
 @pytest.fixture(scope="session")
 def disagg_server(smollm_dir):
-    server = start_server(smollm_dir, "disagg")
+    """Every prompt through a prefill worker (the path under test), however short."""
+    server = start_server(smollm_dir, "disagg", "--local-prefill-max-tokens", "0")
     yield server
     server.stop()
 

@@ -151,12 +151,15 @@ def test_routing_follows_the_index_and_survives_a_redis_outage(smollm_dir, llm):
         assert len(addresses) == 2
         warm = addresses[-1]  # the one load and round-robin would not both pick first
 
-        def routed_cached_tokens(shared: list[int], suffix: str) -> int:
+        def routed_usage(shared: list[int], suffix: str) -> dict:
             body = {"model": "smollm2-135m-instruct", "prompt": shared + tokenizer.encode(suffix), "max_tokens": 1,
                     "temperature": 0}
             response = httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=60)
             assert response.status_code == 200, response.text
-            return response.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+            return response.json()["usage"]
+
+        def routed_cached_tokens(shared: list[int], suffix: str) -> int:
+            return routed_usage(shared, suffix)["prompt_tokens_details"]["cached_tokens"]
 
         def warm_directly(text: str) -> list[int]:
             shared = tokenizer.encode(text)
@@ -171,8 +174,16 @@ def test_routing_follows_the_index_and_survives_a_redis_outage(smollm_dir, llm):
 
         first = warm_directly("[route] You are a meticulous assistant for a shipping company. " * 3)
         wait_until(lambda: indexed(first), what="the warmed blocks in the index")
+        time.sleep(1.0)  # a Stats poll after the warm-up, so the counters below start from it
+        computed_before = server.metric("num_prompt_tokens_computed", "decode")
+        usage = []
         for turn in range(3):
-            assert routed_cached_tokens(first, f" Question {turn}: where is my parcel?") >= len(first) // 16 * 16
+            usage.append(routed_usage(first, f" Question {turn}: where is my parcel?"))
+            assert usage[-1]["prompt_tokens_details"]["cached_tokens"] >= len(first) // 16 * 16
+        # cached_tokens adds up: prompt tokens not computed on the decode workers are exactly those reported
+        expected = sum(u["prompt_tokens"] for u in usage) - sum(u["prompt_tokens_details"]["cached_tokens"] for u in usage)
+        wait_until(lambda: server.metric("num_prompt_tokens_computed", "decode") - computed_before == expected,
+                   what="the workers' counters to match usage")
 
         redis_server.stop()  # the index goes away mid-test
         for turn in range(2):
@@ -206,7 +217,8 @@ def run_shared_prefix_workload(model_dir, policy: str, llm) -> tuple[float, list
 
     order = [(p, t) for p in range(4) for t in range(3)]
     random.Random(5).shuffle(order)
-    server = start_server(model_dir, "disagg", "--prefill-workers", "2", "--routing-policy", policy)
+    server = start_server(model_dir, "disagg", "--prefill-workers", "2", "--routing-policy", policy,
+                          "--local-prefill-max-tokens", "0")
     try:
         texts, cached, prompt_tokens = [], 0, 0
         for prompt_index, turn in order:
