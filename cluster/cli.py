@@ -82,6 +82,56 @@ def _cmd_bench_kv_transfer(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_bench_serve(args: argparse.Namespace) -> int:
+    import asyncio
+    import shlex
+
+    from bench.datasets import make_dataset
+    from bench.launch import LaunchedServe
+    from bench.serve_bench import (
+        LoadConfig, ceiling_hit_rate, render, run_load, summarize, to_json, worker_prompt_tokens_computed,
+    )
+
+    requests = make_dataset(args.dataset, args.num_prompts, args.seed)
+
+    def measure(base_url: str, label: str, prefill_side: bool = False) -> dict:
+        config = LoadConfig(base_url, args.model, args.request_rate, args.burstiness, args.max_concurrency,
+                            args.seed, args.api_key)
+        computed_before = worker_prompt_tokens_computed(base_url, "prefill") if prefill_side else 0.0
+        results, duration = asyncio.run(run_load(config, requests))
+        summary = summarize(results, duration, args.slo_ttft_ms, args.slo_tpot_ms)
+        if args.dataset == "shared-prefix":
+            summary["ceiling_hit_rate"] = ceiling_hit_rate(base_url, args.model, requests, api_key=args.api_key)
+        if prefill_side:  # what the prefill workers reused (usage also counts the decode worker's cache)
+            time.sleep(1.5)  # a Stats poll after the last request
+            computed = worker_prompt_tokens_computed(base_url, "prefill") - computed_before
+            sent = sum(r.prompt_tokens for r in results if r.ok)
+            summary["prefill_hit_rate"] = 1 - computed / sent if sent else 0.0
+        print(render(label, summary), flush=True)
+        return summary
+
+    summaries = {}
+    if args.compare_routing:
+        for policy in ("prefix", "round-robin"):
+            serve_args = ["--model", args.model, "--routing-policy", policy, *shlex.split(args.serve_args)]
+            with LaunchedServe(serve_args) as base_url:
+                summaries[policy] = measure(base_url, f"--routing-policy {policy}", prefill_side=True)
+        prefix, rr = summaries["prefix"], summaries["round-robin"]
+        print(f"prefix vs round-robin: prefill-worker hit rate {prefix['prefill_hit_rate']:.2f} vs "
+              f"{rr['prefill_hit_rate']:.2f} (workload ceiling {prefix.get('ceiling_hit_rate', 0):.2f}), "
+              f"usage hit rate {prefix['prefix_hit_rate']:.2f} vs {rr['prefix_hit_rate']:.2f}, "
+              f"mean TTFT {prefix['ttft_ms']['mean']:.0f} vs {rr['ttft_ms']['mean']:.0f} ms, "
+              f"p90 TTFT {prefix['ttft_ms']['p90']:.0f} vs {rr['ttft_ms']['p90']:.0f} ms")
+    elif args.base_url:
+        summaries["server"] = measure(args.base_url.rstrip("/"), args.base_url)
+    else:
+        raise ValueError("give --base-url, or --compare-routing to launch tandem serve")
+    if args.out:
+        with open(args.out, "w") as handle:
+            handle.write(to_json(summaries))
+    return 0
+
+
 def _cmd_bench_routing(args: argparse.Namespace) -> int:
     from bench.routing_bench import render_routing, routing_latency
 
@@ -147,6 +197,24 @@ def build_parser() -> argparse.ArgumentParser:
                           help="rounds of disaggregated vs colocated time to first token (0 skips)")
     transfer.add_argument("--threads", type=int, default=2)
     transfer.set_defaults(func=_cmd_bench_kv_transfer)
+    serve = bench_cmds.add_parser("serve", help="load against an OpenAI-compatible server (vLLM's metrics)")
+    serve.add_argument("--base-url", help="the server's URL ending in /v1 (not with --compare-routing)")
+    serve.add_argument("--model", default=DEFAULT_MODEL)
+    serve.add_argument("--dataset", default="shared-prefix", choices=["shared-prefix", "random"])
+    serve.add_argument("--num-prompts", type=int, default=48)
+    serve.add_argument("--request-rate", type=float, default=float("inf"))
+    serve.add_argument("--burstiness", type=float, default=1.0)
+    serve.add_argument("--max-concurrency", type=int, default=None)
+    serve.add_argument("--seed", type=int, default=0)
+    serve.add_argument("--slo-ttft-ms", type=float, default=None)
+    serve.add_argument("--slo-tpot-ms", type=float, default=None)
+    serve.add_argument("--api-key", default=None)
+    serve.add_argument("--out", help="write the results as JSON here")
+    serve.add_argument("--compare-routing", action="store_true",
+                       help="launch tandem serve with --routing-policy prefix, then round-robin; same workload")
+    serve.add_argument("--serve-args", default="--mode disagg --prefill-workers 2 --local-prefill-max-tokens 0",
+                       help="extra flags for the launched tandem serve (with --compare-routing)")
+    serve.set_defaults(func=_cmd_bench_serve)
     router = bench_cmds.add_parser("router", help="per-token latency the HTTP gateway adds over direct gRPC")
     router.add_argument("--model", default=DEFAULT_MODEL)
     router.add_argument("--concurrency", default="1,32", help="comma-separated stream counts")

@@ -18,7 +18,7 @@ from engine.kv_cache.block_hash import hash_blocks
 from proto import worker_pb2 as pb
 from router.errors import APIError
 from router.policy import RouteRequest
-from router.prefix_index import PrefixIndex
+from router.prefix_index import PrefixIndex, RecentRoutes
 from router.workers import Assignment, WorkerPool
 
 _RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN,
@@ -55,6 +55,7 @@ class Dispatcher:
                  index: PrefixIndex | None = None) -> None:
         self.pool = pool
         self.index = index  # None: no prefix index (route by load)
+        self.recent = RecentRoutes()  # prefixes on their way to workers, not yet in the index
         self.kv_transport = kv_transport
         # a prompt this short costs less to prefill on the decode worker than to transfer
         self.local_prefill_max_tokens = local_prefill_max_tokens
@@ -68,6 +69,8 @@ class Dispatcher:
             if assignment is None:
                 raise APIError(503, "no healthy worker is available; try again shortly",
                                headers={"Retry-After": "1"})
+            chosen = [assignment.decode.address] + ([assignment.prefill.address] if assignment.prefill else [])
+            self.recent.remember(list(route.digests), chosen)
             started = False
             try:
                 async for chunk in self._attempt(sequence, assignment, route):
@@ -91,8 +94,12 @@ class Dispatcher:
         salt = (request.cache_salt,) if request.cache_salt else ()
         digests = hash_blocks(reference.prefix_namespace, list(request.prompt_token_ids), reference.block_size, salt)
         held = await self.index.leading_blocks(reference.prefix_namespace, digests, workers)
-        hits = None if held is None else {address: n * reference.block_size for address, n in held.items()}
-        return RouteRequest(num_prompt, hits)
+        if held is None:
+            return RouteRequest(num_prompt, None, tuple(digests))
+        recent = self.recent.leading_blocks(digests, [w.address for w in workers])
+        hits = {address: max(n, recent[address]) * reference.block_size for address, n in held.items()}
+        indexed = {address: n * reference.block_size for address, n in held.items()}
+        return RouteRequest(num_prompt, hits, tuple(digests), indexed)
 
     async def _attempt(self, sequence: Sequence, assignment: Assignment,
                        route: RouteRequest) -> AsyncIterator[pb.GenerateChunk]:
@@ -100,7 +107,8 @@ class Dispatcher:
         request.CopyFrom(sequence.request)
         decode, prefill = assignment.decode, assignment.prefill
         num_prompt = len(request.prompt_token_ids)
-        missing = num_prompt - (route.hits or {}).get(decode.address, 0)  # what the decode worker lacks
+        # what the decode worker lacks, by what it really holds (not by what is on its way there)
+        missing = num_prompt - (route.indexed_hits or {}).get(decode.address, 0)
         if missing <= self.local_prefill_max_tokens or request.params.HasField("prompt_logprobs"):
             prefill = None  # short, or needs prompt logprobs (computed only where the prompt is prefilled)
         if prefill is not None:

@@ -51,6 +51,8 @@ class RouteRequest:
 
     num_prompt_tokens: int
     hits: dict[str, int] | None = None  # address -> leading prompt tokens cached there; None: unknown
+    digests: tuple[bytes, ...] = ()  # the prompt's full-block digests (prefix routing)
+    indexed_hits: dict[str, int] | None = None  # hits the index confirms (``hits`` adds prompts just routed)
 
 
 class RoutingPolicy(ABC):

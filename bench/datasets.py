@@ -1,0 +1,56 @@
+"""Benchmark workloads, generated from a seed so that every server sees identical work.
+
+Prompts are text made of words from a fixed list (so any tokenizer counts roughly one token
+per word); the server's usage reports the exact counts."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+_WORDS = ("river stone market window garden letter engine silver morning harbor candle bridge forest "
+          "mirror thunder valley lantern pocket meadow ribbon castle whisper orchard compass ladder "
+          "signal canvas marble feather velvet anchor summit blanket cellar harvest").split()
+
+
+@dataclass(frozen=True, slots=True)
+class BenchRequest:
+    prompt: str
+    max_tokens: int  # output length, enforced with ignore_eos where the server supports it
+    group: int  # requests of a group share a prefix (shared-prefix); -1 otherwise
+
+
+def _text(rng: random.Random, num_words: int) -> str:
+    return " ".join(rng.choice(_WORDS) for _ in range(num_words))
+
+
+def shared_prefix(num_prompts: int, seed: int, num_groups: int = 4, system_words: int = 200,
+                  question_words: int = 12, output_len: int = 16) -> list[BenchRequest]:
+    """``num_groups`` long system prompts, each followed by many short user turns, in a
+    shuffled order (so a router that ignores prefixes spreads each group across workers)."""
+    rng = random.Random(seed)
+    systems = [f"System {g}: " + _text(rng, system_words) for g in range(num_groups)]
+    requests = [BenchRequest(f"{systems[i % num_groups]}\nUser: {_text(rng, question_words)}?", output_len,
+                             i % num_groups) for i in range(num_prompts)]
+    rng.shuffle(requests)
+    return requests
+
+
+def random_prompts(num_prompts: int, seed: int, input_len: int = 128, output_len: int = 64,
+                   range_ratio: float = 0.2) -> list[BenchRequest]:
+    """Input and output lengths uniform within +-range_ratio of the given means."""
+    rng = random.Random(seed)
+
+    def around(mean: int) -> int:
+        return max(1, rng.randint(int(mean * (1 - range_ratio)), int(mean * (1 + range_ratio))))
+
+    return [BenchRequest(_text(rng, around(input_len)), around(output_len), -1) for _ in range(num_prompts)]
+
+
+DATASETS = {"shared-prefix": shared_prefix, "random": random_prompts}
+
+
+def make_dataset(name: str, num_prompts: int, seed: int) -> list[BenchRequest]:
+    if name not in DATASETS:
+        raise ValueError(f"unknown dataset {name!r} (choose from {', '.join(DATASETS)})")
+    return DATASETS[name](num_prompts, seed)

@@ -1,0 +1,53 @@
+"""Start `tandem serve` as a child process for a benchmark, and stop it (and everything it
+started) afterwards."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class LaunchedServe:
+    """``with LaunchedServe(["--mode", "disagg", ...]) as base_url: ...`` (base_url ends in /v1)."""
+
+    def __init__(self, serve_args: list[str], ready_timeout_s: float = 600.0) -> None:
+        self.port, self.grpc_port = free_port(), free_port()
+        self.command = [sys.executable, "-m", "cluster.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port),
+                        "--grpc-port", str(self.grpc_port), *serve_args]
+        self.ready_timeout_s = ready_timeout_s
+        self.log: list[str] = []
+        self.process: subprocess.Popen | None = None
+
+    def __enter__(self) -> str:
+        env = {k: v for k, v in os.environ.items() if k not in ("TANDEM_PORT", "TANDEM_GRPC_PORT", "TANDEM_HOST")}
+        self.process = subprocess.Popen(self.command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                                        env=env)
+        threading.Thread(target=lambda: self.log.extend(self.process.stderr), daemon=True).start()
+        deadline = time.monotonic() + self.ready_timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError("tandem serve exited:\n" + "".join(self.log[-30:]))
+            if any("ready: http" in line for line in self.log):
+                return f"http://127.0.0.1:{self.port}/v1"
+            time.sleep(0.2)
+        self.__exit__()
+        raise TimeoutError("tandem serve was not ready in time:\n" + "".join(self.log[-30:]))
+
+    def __exit__(self, *exc) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(120)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(10)

@@ -1,0 +1,201 @@
+"""`tandem bench serve`: load against any OpenAI-compatible server, with vLLM's definitions.
+
+- TTFT: request sent -> first streamed event carrying text.
+- ITL: every gap between streamed events carrying text, after the first.
+- TPOT: per request, (E2E - TTFT) / (output tokens - 1).
+- E2E: request sent -> stream done.
+- goodput: requests per second that finished and met every SLO given (failures are misses).
+- prefix hit rate: usage.prompt_tokens_details.cached_tokens / usage.prompt_tokens, summed.
+Arrivals are Poisson (``burstiness`` 1) or gamma, or as fast as ``max_concurrency`` allows."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+
+import httpx
+
+from bench.datasets import BenchRequest
+
+
+@dataclass(slots=True)
+class RequestResult:
+    ok: bool
+    send_delay_s: float  # how late the generator sent it against its schedule
+    ttft_s: float = 0.0
+    e2e_s: float = 0.0
+    itl_s: list[float] = field(default_factory=list)
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    cached_tokens: int = 0
+    error: str = ""
+
+    @property
+    def tpot_s(self) -> float | None:
+        return (self.e2e_s - self.ttft_s) / (self.output_tokens - 1) if self.output_tokens > 1 else None
+
+
+@dataclass(frozen=True, slots=True)
+class LoadConfig:
+    base_url: str  # ends in /v1
+    model: str
+    request_rate: float = float("inf")  # requests/s; inf sends all at once
+    burstiness: float = 1.0  # gamma shape: 1 is Poisson, < 1 burstier
+    max_concurrency: int | None = None
+    seed: int = 0
+    api_key: str | None = None
+
+
+async def _one(client: httpx.AsyncClient, config: LoadConfig, request: BenchRequest, delay_s: float) -> RequestResult:
+    body = {"model": config.model, "prompt": request.prompt, "max_tokens": request.max_tokens, "ignore_eos": True,
+            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+    result = RequestResult(ok=False, send_delay_s=delay_s)
+    start = time.perf_counter()
+    last = None
+    try:
+        async with client.stream("POST", f"{config.base_url}/completions", json=body) as response:
+            if response.status_code != 200:
+                result.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
+                return result
+            async for line in response.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                event = json.loads(line[6:])
+                if "error" in event:
+                    result.error = event["error"].get("message", "error event")
+                    return result
+                now = time.perf_counter()
+                if event.get("choices") and event["choices"][0].get("text"):
+                    if last is None:
+                        result.ttft_s = now - start
+                    else:
+                        result.itl_s.append(now - last)
+                    last = now
+                if event.get("usage"):
+                    usage = event["usage"]
+                    result.prompt_tokens = usage["prompt_tokens"]
+                    result.output_tokens = usage["completion_tokens"]
+                    result.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+        result.e2e_s = time.perf_counter() - start
+        result.ok = last is not None
+    except httpx.HTTPError as exc:
+        result.error = f"{type(exc).__name__}: {exc}"
+    return result
+
+
+def _schedule(num: int, config: LoadConfig) -> list[float]:
+    """Send offsets in seconds (gamma inter-arrivals with mean 1/rate)."""
+    if config.request_rate == float("inf"):
+        return [0.0] * num
+    rng = random.Random(config.seed)
+    shape = config.burstiness
+    offsets, t = [], 0.0
+    for _ in range(num):
+        offsets.append(t)
+        t += rng.gammavariate(shape, 1.0 / (config.request_rate * shape))
+    return offsets
+
+
+async def run_load(config: LoadConfig, requests: list[BenchRequest]) -> tuple[list[RequestResult], float]:
+    """All requests on their schedule; returns the results (in dataset order) and the duration."""
+    headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
+    limit = asyncio.Semaphore(config.max_concurrency or len(requests) or 1)
+    limits = httpx.Limits(max_connections=(config.max_concurrency or len(requests)) + 4)
+    async with httpx.AsyncClient(timeout=600, headers=headers, limits=limits) as client:
+        start = time.perf_counter()
+
+        async def scheduled(request: BenchRequest, offset: float) -> RequestResult:
+            await asyncio.sleep(max(0.0, start + offset - time.perf_counter()))
+            async with limit:
+                return await _one(client, config, request, time.perf_counter() - start - offset)
+
+        results = await asyncio.gather(*(scheduled(r, o) for r, o in zip(requests, _schedule(len(requests), config))))
+        return list(results), time.perf_counter() - start
+
+
+def _stats_ms(values: list[float]) -> dict:
+    if not values:
+        return {"mean": None, "p50": None, "p90": None, "p99": None}
+    ordered = sorted(v * 1000 for v in values)
+
+    def pct(q: float) -> float:
+        return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
+
+    return {"mean": statistics.fmean(ordered), "p50": pct(0.5), "p90": pct(0.9), "p99": pct(0.99)}
+
+
+def summarize(results: list[RequestResult], duration_s: float, slo_ttft_ms: float | None = None,
+              slo_tpot_ms: float | None = None) -> dict:
+    done = [r for r in results if r.ok]
+
+    def meets_slo(r: RequestResult) -> bool:
+        tpot = r.tpot_s
+        return r.ok and (slo_ttft_ms is None or r.ttft_s * 1000 <= slo_ttft_ms) and (
+            slo_tpot_ms is None or tpot is None or tpot * 1000 <= slo_tpot_ms)
+
+    prompt_tokens = sum(r.prompt_tokens for r in done)
+    return {
+        "num_requests": len(results), "completed": len(done), "failed": len(results) - len(done),
+        "duration_s": duration_s,
+        "request_throughput": len(done) / duration_s if duration_s else 0.0,
+        "output_token_throughput": sum(r.output_tokens for r in done) / duration_s if duration_s else 0.0,
+        "goodput": sum(meets_slo(r) for r in results) / duration_s if duration_s else 0.0,
+        "ttft_ms": _stats_ms([r.ttft_s for r in done]),
+        "tpot_ms": _stats_ms([r.tpot_s for r in done if r.tpot_s is not None]),
+        "itl_ms": _stats_ms([gap for r in done for gap in r.itl_s]),
+        "e2e_ms": _stats_ms([r.e2e_s for r in done]),
+        "prefix_hit_rate": sum(r.cached_tokens for r in done) / prompt_tokens if prompt_tokens else 0.0,
+        "max_send_delay_ms": max((r.send_delay_s for r in results), default=0.0) * 1000,
+        "errors": sorted({r.error for r in results if r.error})[:5],
+    }
+
+
+def render(label: str, summary: dict) -> str:
+    def fmt(stats: dict) -> str:
+        return " / ".join("-" if stats[k] is None else f"{stats[k]:.1f}" for k in ("mean", "p50", "p90", "p99"))
+
+    return "\n".join([
+        f"{label}: {summary['completed']}/{summary['num_requests']} ok in {summary['duration_s']:.1f} s, "
+        f"{summary['request_throughput']:.2f} req/s, {summary['output_token_throughput']:.1f} tok/s, "
+        f"goodput {summary['goodput']:.2f} req/s, prefix hit rate {summary['prefix_hit_rate']:.2f}, "
+        f"generator at most {summary['max_send_delay_ms']:.0f} ms late",
+        f"  TTFT ms mean/p50/p90/p99: {fmt(summary['ttft_ms'])}",
+        f"  TPOT ms: {fmt(summary['tpot_ms'])}   ITL ms: {fmt(summary['itl_ms'])}   E2E ms: {fmt(summary['e2e_ms'])}",
+    ] + ([f"  errors: {summary['errors']}"] if summary["errors"] else []))
+
+
+def to_json(summaries: dict[str, dict]) -> str:
+    return json.dumps(summaries, indent=2, default=lambda o: asdict(o))
+
+
+def ceiling_hit_rate(base_url: str, model: str, requests: list[BenchRequest], block_size: int = 16,
+                     api_key: str | None = None) -> float:
+    """The workload's best possible prefix hit rate: every group's shared prefix computed once
+    (by its first request), then reused in whole blocks. Token counts from the server's
+    /tokenize."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    root = base_url.removesuffix("/v1")
+    with httpx.Client(timeout=60, headers=headers) as client:
+        ids = [client.post(f"{root}/tokenize", json={"model": model, "prompt": r.prompt}).json()["tokens"]
+               for r in requests]
+    first_of_group: dict[int, list[int]] = {}
+    reusable = 0
+    for request, tokens in zip(requests, ids):
+        first = first_of_group.setdefault(request.group, tokens) if request.group >= 0 else tokens
+        if first is tokens:
+            continue
+        common = next((i for i, (a, b) in enumerate(zip(first, tokens)) if a != b), min(len(first), len(tokens)))
+        reusable += min(common, len(tokens) - 1) // block_size * block_size
+    return reusable / sum(len(t) for t in ids)
+
+
+def worker_prompt_tokens_computed(base_url: str, role: str) -> float:
+    """Summed over the role's workers, from the tandem router's /metrics."""
+    text = httpx.get(f"{base_url.removesuffix('/v1')}/metrics", timeout=10).text
+    prefix = "tandem:worker_num_prompt_tokens_computed{"
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(prefix) and f'role="{role}"' in line)
