@@ -16,7 +16,7 @@ from engine.kv_cache.block_hash import hash_blocks, namespace_digest
 from kv_transfer.prefix_events import alive_key, blocks_key
 from proto import worker_pb2 as pb
 from router.dispatch import Dispatcher
-from router.policy import PrefixPolicy, WorkerView
+from router.policy import PrefixPolicy
 from router.prefix_index import PrefixIndex
 from router.workers import WorkerPool
 
