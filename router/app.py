@@ -134,7 +134,6 @@ class _RequestContext:
             await self.app(scope, receive, send_with_id)
         if path.startswith("/v1/"):
             elapsed = time.perf_counter() - start
-            self.state.e2e_latency.observe(elapsed)
             logger.info(json.dumps({"request_id": request_id, "method": scope["method"], "path": path,
                                     "status": status[0], "seconds": round(elapsed, 4)}))
 

@@ -9,7 +9,7 @@ cancels its prefill: nothing stays behind on any worker."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 import grpc
@@ -52,8 +52,9 @@ def api_error(exc: grpc.aio.AioRpcError) -> APIError:
 
 class Dispatcher:
     def __init__(self, pool: WorkerPool, kv_transport: int, local_prefill_max_tokens: int = 0,
-                 index: PrefixIndex | None = None) -> None:
+                 index: PrefixIndex | None = None, on_decision: Callable[[str], None] = lambda decision: None) -> None:
         self.pool = pool
+        self._on_decision = on_decision  # "remote" | "local" | "retry" | "fallback" (metrics)
         self.index = index  # None: no prefix index (route by load)
         self.recent = RecentRoutes()  # prefixes on their way to workers, not yet in the index
         self.kv_transport = kv_transport
@@ -64,6 +65,8 @@ class Dispatcher:
     async def stream(self, sequence: Sequence) -> AsyncIterator[pb.GenerateChunk]:
         tried: set[str] = set()
         route = await self.route(sequence.request)
+        if self.index is not None and route.hits is None:
+            self._on_decision("fallback")  # the index did not answer: routed by load
         for attempt in range(2):
             assignment = self.pool.assign(frozenset(tried), route)
             if assignment is None:
@@ -80,6 +83,7 @@ class Dispatcher:
             except grpc.aio.AioRpcError as exc:
                 if started or attempt == 1 or exc.code() not in _RETRYABLE:
                     raise api_error(exc) from None
+                self._on_decision("retry")
                 tried.add(assignment.decode.address)
                 if assignment.prefill is not None:
                     tried.add(assignment.prefill.address)
@@ -111,6 +115,7 @@ class Dispatcher:
         missing = num_prompt - (route.indexed_hits or {}).get(decode.address, 0)
         if missing <= self.local_prefill_max_tokens or request.params.HasField("prompt_logprobs"):
             prefill = None  # short, or needs prompt logprobs (computed only where the prompt is prefilled)
+        self._on_decision("local" if prefill is None else "remote")
         if prefill is not None:
             request.prefill.address = prefill.address
             request.prefill.transport = self.kv_transport

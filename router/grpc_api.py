@@ -94,6 +94,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                     await context.abort(_CODES.get(item.error.status, grpc.StatusCode.INTERNAL), item.error.message)
                 choice = choices[item.sequence.index]
                 choice.add(item.chunk)
+                state.record_chunk(prepared, choice, len(item.chunk.token_ids))
                 yield pb.GenerationResponse(request_id=request_id, chunk=_chunk(choice.index, item.chunk))
             usage = usage_of(prepared, choices.values())
             final = pb.GenerationFinal(

@@ -28,6 +28,7 @@ class _Prepared:
     prompt_texts: list[str]  # per prompt (for echo)
     sequences: list[Sequence]
     num_top_logprobs: int | None  # per generated token, when asked
+    started: float = field(default_factory=time.perf_counter)  # admission (latency metrics start here)
     echo: bool = False
     include_usage: bool = False
     continuous_usage: bool = False
@@ -44,6 +45,7 @@ class Choice:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
+    last_token_at: float | None = None  # perf_counter of its latest token (metrics)
 
     def add(self, chunk: pb.GenerateChunk) -> None:
         self.text += chunk.text_delta
@@ -132,6 +134,7 @@ async def respond(state: RouterState, prepared: _Prepared, stream: bool):
             if not isinstance(item, SequenceChunk):
                 raise item.error
             choices[item.sequence.index].add(item.chunk)
+            state.record_chunk(prepared, choices[item.sequence.index], len(item.chunk.token_ids))
     finally:
         state.finish_request(prepared, choices.values())
     body = {
@@ -169,6 +172,7 @@ async def _sse(state: RouterState, prepared: _Prepared) -> AsyncIterator[str]:
             choice = choices[item.sequence.index]
             first = not choice.token_ids and not choice.finish_reason
             choice.add(item.chunk)
+            state.record_chunk(prepared, choice, len(item.chunk.token_ids))
             event = _stream_choice(prepared, choice, item.chunk, first, echoed)
             payload = {"id": prepared.response_id, "created": created, "model": state.config.served_model_name,
                        "object": "text_completion" if prepared.kind == "completion" else "chat.completion.chunk",

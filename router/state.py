@@ -18,6 +18,14 @@ from router.prefix_index import PrefixIndex
 from router.workers import WorkerPool
 
 
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                 40.0, 80.0, 160.0, 640.0, 2560.0)
+_ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
+                80.0)
+_E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+                480.0, 960.0, 1920.0, 7680.0)
+
+
 @dataclass(frozen=True, slots=True)
 class RouterConfig:
     served_model_name: str
@@ -42,7 +50,8 @@ class RouterState:
         self.generation = info.generation
         self.pool = pool
         self.index = index
-        self.dispatcher = Dispatcher(pool, config.kv_transport, config.local_prefill_max_tokens, index)
+        self.dispatcher = Dispatcher(pool, config.kv_transport, config.local_prefill_max_tokens, index,
+                                     on_decision=self.record_decision)
         self.draining = False
         self.num_in_flight = 0
         self.started = time.time()
@@ -80,6 +89,22 @@ class RouterState:
         self._generation_tokens.inc(sum(len(c.token_ids) for c in choices))
         for choice in choices:
             self._finished.labels(choice.finish_reason or "error").inc()
+        self._e2e.observe(time.perf_counter() - prepared.started)
+
+    def record_chunk(self, prepared, choice, num_new_tokens: int) -> None:
+        """A choice received ``num_new_tokens`` now: its first (time to first token, from
+        admission) or the next (inter-token latency)."""
+        if not num_new_tokens:
+            return
+        now = time.perf_counter()
+        if choice.last_token_at is None:
+            self._ttft.observe(now - prepared.started)
+        else:
+            self._itl.observe(now - choice.last_token_at)
+        choice.last_token_at = now
+
+    def record_decision(self, decision: str) -> None:
+        self._decisions.labels(decision).inc()
 
     # -- metrics ------------------------------------------------------------------------------
     def _metrics(self, registry: CollectorRegistry) -> None:
@@ -87,10 +112,17 @@ class RouterState:
         self._prompt_tokens = Counter("tandem:prompt_tokens", "Prompt tokens of finished requests", registry=registry)
         self._generation_tokens = Counter("tandem:generation_tokens", "Tokens generated for finished requests",
                                           registry=registry)
-        self._finished = Counter("tandem:request_success", "Finished sequences by finish reason", ["finish_reason"],
+        self._finished = Counter("tandem:request_success", "Finished sequences by finish reason", ["finished_reason"],
                                  registry=registry)
-        self.e2e_latency = Histogram("tandem:e2e_request_latency_seconds", "Request latency at the router",
-                                     registry=registry)
+        # vLLM's buckets, so that dashboards built for it read these too
+        self._e2e = Histogram("tandem:e2e_request_latency_seconds", "Admission to last token, per request",
+                              buckets=_E2E_BUCKETS, registry=registry)
+        self._ttft = Histogram("tandem:time_to_first_token_seconds", "Admission to each choice's first token",
+                               buckets=_TTFT_BUCKETS, registry=registry)
+        self._itl = Histogram("tandem:inter_token_latency_seconds", "Gap between a choice's consecutive tokens",
+                              buckets=_ITL_BUCKETS, registry=registry)
+        self._decisions = Counter("tandem:routing_decisions", "Dispatch decisions: remote or local prefill, "
+                                  "retry on another pair, fallback to load routing", ["decision"], registry=registry)
         registry.register(_WorkerCollector(self.pool))
 
 

@@ -273,3 +273,39 @@ def test_a_worker_that_cannot_start_is_a_clear_error(smollm_dir):
     message = str(info.value)
     assert "exited with 1" in message and "decode worker failed to start" in message
     assert "max_model_len" in message and "stopped" in message
+
+
+def prometheus_sum(text: str, name: str, label: str = "") -> float:
+    """Sum of the samples of ``name`` (optionally only those whose labels contain ``label``)."""
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            if label in line:
+                total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def test_router_metrics_count_every_request_and_token(disagg_server):
+    metrics = lambda: httpx.get(f"{disagg_server.base_url}/metrics", timeout=10).text  # noqa: E731
+    names = ("tandem:request_success_total", "tandem:prompt_tokens_total", "tandem:generation_tokens_total",
+             "tandem:time_to_first_token_seconds_count", "tandem:e2e_request_latency_seconds_count",
+             "tandem:inter_token_latency_seconds_count")
+    before_text = metrics()
+    before = {name: prometheus_sum(before_text, name) for name in names}
+    remote_before = prometheus_sum(before_text, "tandem:routing_decisions_total", 'decision="remote"')
+    api = client(disagg_server)
+    usages = [api.completions.create(model="smollm2-135m-instruct", prompt=f"[metrics {i}] Hello", max_tokens=5,
+                                     temperature=0, extra_body={"ignore_eos": True}).usage for i in range(3)]
+    streamed = list(api.completions.create(model="smollm2-135m-instruct", prompt="[metrics] streamed", max_tokens=4,
+                                           temperature=0, stream=True, stream_options={"include_usage": True},
+                                           extra_body={"ignore_eos": True}))
+    usages.append(streamed[-1].usage)
+    after_text = metrics()
+    delta = {name: prometheus_sum(after_text, name) - before[name] for name in names}
+    assert delta["tandem:request_success_total"] == 4
+    assert delta["tandem:prompt_tokens_total"] == sum(u.prompt_tokens for u in usages)
+    assert delta["tandem:generation_tokens_total"] == sum(u.completion_tokens for u in usages) == 19
+    assert delta["tandem:time_to_first_token_seconds_count"] == 4
+    assert delta["tandem:e2e_request_latency_seconds_count"] == 4
+    assert delta["tandem:inter_token_latency_seconds_count"] == 19 - 4  # every token after each first one
+    assert prometheus_sum(after_text, "tandem:routing_decisions_total", 'decision="remote"') - remote_before == 4
