@@ -175,5 +175,7 @@ def worker_stats(core: EngineCore, role: str, address: str, kv_bytes_sent: int =
         num_kv_recomputed=counters.num_kv_recomputed, num_kv_failed=counters.num_kv_failed,
         num_held_transfers=num_held_transfers, max_num_running=counters.max_num_running,
         prefix_namespace=core.kv_manager.namespace, prefix_incarnation=prefix_incarnation,
-        block_size=core.kv_manager.block_size,
+        block_size=core.kv_manager.block_size, num_preemptions=scheduler.num_preemptions,
+        prefix_cache_queried_tokens=core.kv_manager.stats.num_queried_tokens,
+        prefix_cache_hit_tokens=core.kv_manager.stats.num_hit_tokens,
     )

@@ -8,7 +8,7 @@ import time
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from engine.model_info import ModelInfo
 from proto import worker_pb2 as pb
@@ -123,7 +123,7 @@ class RouterState:
                               buckets=_ITL_BUCKETS, registry=registry)
         self._decisions = Counter("tandem:routing_decisions", "Dispatch decisions: remote or local prefill, "
                                   "retry on another pair, fallback to load routing", ["decision"], registry=registry)
-        registry.register(_WorkerCollector(self.pool))
+        registry.register(_WorkerCollector(self.pool, self.config.served_model_name))
 
 
 class _WorkerCollector:
@@ -133,10 +133,12 @@ class _WorkerCollector:
                "num_prompt_tokens_computed", "num_generation_tokens", "kv_bytes_received", "kv_bytes_sent",
                "num_kv_recomputed", "num_kv_failed", "max_num_running")
 
-    def __init__(self, pool: WorkerPool) -> None:
+    def __init__(self, pool: WorkerPool, model_name: str) -> None:
         self._pool = pool
+        self._model_name = model_name
 
     def collect(self):
+        yield from self._cluster_metrics()
         families = {name: GaugeMetricFamily(f"tandem:worker_{name}", f"worker Stats field {name}",
                                             labels=["role", "address"]) for name in self._FIELDS}
         healthy = GaugeMetricFamily("tandem:worker_healthy", "1 when the worker answered its last Stats",
@@ -148,3 +150,33 @@ class _WorkerCollector:
                     family.add_metric([worker.role, worker.address], float(getattr(worker.stats, name)))
         yield healthy
         yield from families.values()
+
+    def _cluster_metrics(self):
+        """DESIGN.md's per-worker names (labels model_name, worker, role) from the same Stats."""
+        labels = ["model_name", "worker", "role"]
+        usage = GaugeMetricFamily("tandem:kv_cache_usage_perc", "Fraction of KV blocks in use (0-1)", labels=labels)
+        waiting = GaugeMetricFamily("tandem:num_requests_waiting", "Requests queued on the worker (incl. waiting "
+                                    "for remote KV)", labels=labels)
+        counters = {
+            "num_preemptions": CounterMetricFamily("tandem:num_preemptions", "Sequences preempted", labels=labels),
+            "prefix_cache_queried_tokens": CounterMetricFamily("tandem:prefix_cache_queries", "Prompt tokens looked "
+                                                               "up in the prefix cache", labels=labels),
+            "prefix_cache_hit_tokens": CounterMetricFamily("tandem:prefix_cache_hits", "Prompt tokens whose KV was "
+                                                           "reused", labels=labels),
+        }
+        transfer = CounterMetricFamily("tandem:kv_transfer_bytes", "KV bytes received (decode) or sent (prefill)",
+                                       labels=labels)
+        for worker in self._pool.decode + self._pool.prefill:
+            stats = worker.stats
+            if stats is None:
+                continue
+            values = [self._model_name, worker.address, worker.role]
+            usage.add_metric(values, 1 - stats.num_free_kv_blocks / stats.num_kv_blocks if stats.num_kv_blocks else 0)
+            waiting.add_metric(values, stats.num_waiting + stats.num_waiting_for_remote_kv)
+            for field, family in counters.items():
+                family.add_metric(values, getattr(stats, field))
+            transfer.add_metric(values, stats.kv_bytes_received if worker.role == "decode" else stats.kv_bytes_sent)
+        yield usage
+        yield waiting
+        yield from counters.values()
+        yield transfer

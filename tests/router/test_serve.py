@@ -309,3 +309,22 @@ def test_router_metrics_count_every_request_and_token(disagg_server):
     assert delta["tandem:e2e_request_latency_seconds_count"] == 4
     assert delta["tandem:inter_token_latency_seconds_count"] == 19 - 4  # every token after each first one
     assert prometheus_sum(after_text, "tandem:routing_decisions_total", 'decision="remote"') - remote_before == 4
+
+
+def test_cluster_metrics_from_worker_stats(disagg_server):
+    text = lambda: httpx.get(f"{disagg_server.base_url}/metrics", timeout=10).text  # noqa: E731
+    time.sleep(1.0)  # worker Stats are polled every 0.5 s: start from a fresh reading
+    before = text()
+    queried_before = prometheus_sum(before, "tandem:prefix_cache_queries_total", 'role="prefill"')
+    received_before = prometheus_sum(before, "tandem:kv_transfer_bytes_total", 'role="decode"')
+    answer = client(disagg_server).completions.create(model="smollm2-135m-instruct", prompt="[cluster metrics] The sea",
+                                                      max_tokens=3, temperature=0)
+    prompt_tokens = answer.usage.prompt_tokens
+    wait_until(lambda: prometheus_sum(text(), "tandem:prefix_cache_queries_total", 'role="prefill"')
+               >= queried_before + prompt_tokens, what="the prefill worker's lookups in /metrics")
+    # SmolLM2 float32: 30 layers x 2 x 3 KV heads x 64 x 4 bytes per prompt position
+    wait_until(lambda: prometheus_sum(text(), "tandem:kv_transfer_bytes_total", 'role="decode"') - received_before
+               == prompt_tokens * 46080, what="the KV bytes the decode worker received")
+    assert 'model_name="smollm2-135m-instruct"' in text()
+    wait_until(lambda: prometheus_sum(text(), "tandem:kv_cache_usage_perc") == 0.0, what="KV usage back to idle")
+    assert prometheus_sum(text(), "tandem:num_requests_waiting") == 0
