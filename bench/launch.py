@@ -18,36 +18,49 @@ def free_port() -> int:
 
 
 class LaunchedServe:
-    """``with LaunchedServe(["--mode", "disagg", ...]) as base_url: ...`` (base_url ends in /v1)."""
+    """``with LaunchedServe(["--mode", "disagg", ...]) as base_url: ...`` (base_url ends in /v1).
 
-    def __init__(self, serve_args: list[str], ready_timeout_s: float = 600.0) -> None:
+    ``env``: the child's whole environment (default: this one, less the listen flags);
+    ``wait_for``: the log line that means started (default: the ready line)."""
+
+    def __init__(self, serve_args: list[str], ready_timeout_s: float = 600.0, wait_for: str = "ready: http",
+                 env: dict | None = None) -> None:
         self.port, self.grpc_port = free_port(), free_port()
         self.command = [sys.executable, "-m", "cluster.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port),
                         "--grpc-port", str(self.grpc_port), *serve_args]
         self.ready_timeout_s = ready_timeout_s
-        self.log: list[str] = []
+        self.wait_for = wait_for
+        self.env = env if env is not None else {
+            k: v for k, v in os.environ.items() if k not in ("TANDEM_PORT", "TANDEM_GRPC_PORT", "TANDEM_HOST")}
+        self.log: list[str] = []  # stderr lines so far
         self.process: subprocess.Popen | None = None
 
-    def __enter__(self) -> str:
-        env = {k: v for k, v in os.environ.items() if k not in ("TANDEM_PORT", "TANDEM_GRPC_PORT", "TANDEM_HOST")}
+    def start(self) -> str:
+        """Start it and wait for ``wait_for``; on exit or timeout, a RuntimeError with its log."""
         self.process = subprocess.Popen(self.command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                                        env=env)
+                                        env=self.env)
         threading.Thread(target=lambda: self.log.extend(self.process.stderr), daemon=True).start()
         deadline = time.monotonic() + self.ready_timeout_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                raise RuntimeError("tandem serve exited:\n" + "".join(self.log[-30:]))
-            if any("ready: http" in line for line in self.log):
+                raise RuntimeError(f"tandem serve exited with {self.process.returncode}:\n" + "".join(self.log[-40:]))
+            if any(self.wait_for in line for line in self.log):
                 return f"http://127.0.0.1:{self.port}/v1"
             time.sleep(0.2)
-        self.__exit__()
-        raise TimeoutError("tandem serve was not ready in time:\n" + "".join(self.log[-30:]))
+        self.stop()
+        raise RuntimeError("tandem serve was not ready in time:\n" + "".join(self.log[-40:]))
 
-    def __exit__(self, *exc) -> None:
+    def stop(self, timeout_s: float = 120.0) -> None:
         if self.process is not None and self.process.poll() is None:
             self.process.terminate()
             try:
-                self.process.wait(120)
+                self.process.wait(timeout_s)
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait(10)
+
+    def __enter__(self) -> str:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

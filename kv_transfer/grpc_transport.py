@@ -21,7 +21,7 @@ from proto import kv_transfer_pb2 as pb
 SECRET_METADATA_KEY = "x-tandem-cluster-secret"
 PUSH_METHOD = "/tandem.v1.KVTransfer/Push"  # client-streaming frames (wire.py) -> PushReply
 MAX_MESSAGE_BYTES = 4 * MAX_CHUNK_BYTES  # chunks are at most MAX_CHUNK_BYTES of payload
-_CHANNEL_OPTIONS = [
+CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
 ]
@@ -144,7 +144,7 @@ def sampled_token(first: pb.FirstToken) -> SampledToken:
 
 def start_kv_server(servicer: KVTransferServicer, host: str = "127.0.0.1", port: int = 0, workers: int = 4):
     """Serve KVTransfer; returns (server, bound port). Port 0 picks a free one."""
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers), options=_CHANNEL_OPTIONS)
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers), options=CHANNEL_OPTIONS)
     server.add_generic_rpc_handlers((servicer.handler(),))
     bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:
@@ -162,7 +162,7 @@ class GrpcKVSink(KVSink):
                  channel: grpc.Channel | None = None):
         # a worker passes its channel to the target (one connection, many streams); else our own
         self._owns_channel = channel is None
-        self._channel = channel or grpc.insecure_channel(target, options=_CHANNEL_OPTIONS)
+        self._channel = channel or grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
         self._push = self._channel.stream_unary(PUSH_METHOD, response_deserializer=pb.PushReply.FromString)
         self._metadata = ((SECRET_METADATA_KEY, secret),)
         self._timeout_s = timeout_s

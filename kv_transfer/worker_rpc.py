@@ -15,13 +15,8 @@ import grpc
 from engine.engine_core import EngineCore, EngineCoreOutput
 from engine.outputs import PositionLogprobs
 from engine.sampling_params import SamplingParams
-from kv_transfer.grpc_transport import MAX_MESSAGE_BYTES, SECRET_METADATA_KEY
+from kv_transfer.grpc_transport import CHANNEL_OPTIONS, SECRET_METADATA_KEY
 from proto import worker_pb2 as pb
-
-CHANNEL_OPTIONS = [
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-]
 
 
 @dataclass(frozen=True, slots=True)

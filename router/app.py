@@ -36,22 +36,12 @@ def build_app(state: RouterState) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
-        state.admit()
-        try:
-            prepared = prepare_completion(state, body, request.state.request_id)
-        except BaseException:
-            state.num_in_flight -= 1
-            raise
+        prepared = state.admit(lambda: prepare_completion(state, body, request.state.request_id))
         return await respond(state, prepared, body.stream)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
-        state.admit()
-        try:
-            prepared = prepare_chat(state, body, request.state.request_id)
-        except BaseException:
-            state.num_in_flight -= 1
-            raise
+        prepared = state.admit(lambda: prepare_chat(state, body, request.state.request_id))
         return await respond(state, prepared, body.stream)
 
     @app.get("/v1/models")

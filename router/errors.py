@@ -46,6 +46,18 @@ def sse_error(status: int, message: str) -> str:
     return f"data: {json.dumps(error_body(status, message))}\n\n"
 
 
+def validation_message(errors: list[dict]) -> tuple[str, str | None]:
+    """pydantic's first error as an OpenAI message and ``param`` (HTTP and gRPC alike)."""
+    first = errors[0] if errors else {}
+    location = [str(part) for part in first.get("loc", ()) if part != "body"]
+    message = first.get("msg", "invalid request").removeprefix("Value error, ")
+    if first.get("type") == "extra_forbidden":
+        message = f"unknown field '{location[-1]}'" if location else "unknown field"
+    elif location:
+        message = f"{'.'.join(location)}: {message}"
+    return message, ".".join(location) or None
+
+
 def install(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError):
@@ -53,14 +65,8 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError):
-        first = exc.errors()[0] if exc.errors() else {}
-        location = [str(part) for part in first.get("loc", ()) if part != "body"]
-        message = first.get("msg", "invalid request").removeprefix("Value error, ")
-        if first.get("type") == "extra_forbidden":
-            message = f"unknown field '{location[-1]}'" if location else "unknown field"
-        elif location:
-            message = f"{'.'.join(location)}: {message}"
-        return error_response(400, message, ".".join(location) or None)
+        message, param = validation_message(exc.errors())
+        return error_response(400, message, param)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException):

@@ -15,7 +15,7 @@ from kv_transfer.worker_rpc import CHANNEL_OPTIONS
 from proto import generation_pb2 as pb
 from proto import generation_pb2_grpc as pb_grpc
 from router.dispatch import SequenceChunk
-from router.errors import APIError
+from router.errors import APIError, validation_message
 from router.openai_api import Choice, prepare_chat, prepare_completion, usage_of
 from router.protocol import ChatCompletionRequest, CompletionRequest
 from router.state import RouterState
@@ -72,19 +72,16 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         await self._check_key(context)
         request_id = request.request_id or uuid.uuid4().hex
         state = self.state
-        try:
+        def prepare():
             body = _request_body(request)
-            state.admit()
-        except APIError as exc:
-            await context.abort(_CODES.get(exc.status, grpc.StatusCode.INTERNAL), exc.message)
-        try:
             if "messages" in body:
-                prepared = prepare_chat(state, ChatCompletionRequest.model_validate(body), request_id)
-            else:
-                prepared = prepare_completion(state, CompletionRequest.model_validate(body), request_id)
+                return prepare_chat(state, ChatCompletionRequest.model_validate(body), request_id)
+            return prepare_completion(state, CompletionRequest.model_validate(body), request_id)
+
+        try:
+            prepared = state.admit(prepare)
         except (APIError, ValidationError) as exc:
-            state.num_in_flight -= 1
-            message = exc.message if isinstance(exc, APIError) else _validation_message(exc)
+            message = exc.message if isinstance(exc, APIError) else validation_message(exc.errors())[0]
             status = exc.status if isinstance(exc, APIError) else 400
             await context.abort(_CODES.get(status, grpc.StatusCode.INTERNAL), message)
         choices = {s.index: Choice(s.index, s.prompt_index) for s in prepared.sequences}
@@ -138,13 +135,6 @@ def _chunk(index: int, chunk) -> pb.GenerationChunk:
     if kind is not None:
         setattr(message, kind, getattr(chunk, kind))
     return message
-
-
-def _validation_message(exc: ValidationError) -> str:
-    first = exc.errors()[0]
-    location = ".".join(str(part) for part in first.get("loc", ()))
-    message = first.get("msg", "invalid request").removeprefix("Value error, ")
-    return f"{location}: {message}" if location else message
 
 
 class PublicGrpcServer:

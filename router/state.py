@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import hmac
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -16,6 +18,8 @@ from router.dispatch import Dispatcher
 from router.errors import APIError
 from router.prefix_index import PrefixIndex
 from router.workers import WorkerPool
+
+T = TypeVar("T")
 
 
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
@@ -69,8 +73,10 @@ class RouterState:
         sent = (authorization or "").removeprefix("Bearer ").strip()
         return hmac.compare_digest(sent.encode(), self.config.api_key.encode())
 
-    def admit(self) -> None:
-        """A generation request may start (or an APIError says why not)."""
+    def admit(self, prepare: Callable[[], T]) -> T:
+        """Start a generation request: refuse it (APIError) while draining, with no healthy
+        worker or past --max-queue; else count it in flight and return ``prepare()``. A prepare
+        that raises leaves nothing counted; a prepared request ends with ``finish_request``."""
         if self.draining:
             raise APIError(503, "the server is shutting down", headers={"Retry-After": "5"})
         if not self.pool.is_ready:
@@ -78,12 +84,19 @@ class RouterState:
         if self.num_in_flight >= self.config.max_queue:
             raise APIError(429, f"too many requests in flight (--max-queue {self.config.max_queue}); retry later",
                            headers={"Retry-After": "1"})
-        self.num_in_flight += 1
-        self._running.set(self.num_in_flight)
+        self._set_in_flight(self.num_in_flight + 1)
+        try:
+            return prepare()
+        except BaseException:
+            self._set_in_flight(self.num_in_flight - 1)
+            raise
+
+    def _set_in_flight(self, count: int) -> None:
+        self.num_in_flight = count
+        self._running.set(count)
 
     def finish_request(self, prepared, choices) -> None:
-        self.num_in_flight -= 1
-        self._running.set(self.num_in_flight)
+        self._set_in_flight(self.num_in_flight - 1)
         choices = list(choices)
         self._prompt_tokens.inc(sum(len(ids) for ids in prepared.prompt_ids))
         self._generation_tokens.inc(sum(len(c.token_ids) for c in choices))

@@ -4,34 +4,39 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 import subprocess
-import sys
-import threading
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import httpx
 import psutil
 import pytest
 
+from bench.launch import LaunchedServe
+
 API_KEY = "test-api-key"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @dataclass
 class LiveServer:
-    process: subprocess.Popen
-    base_url: str  # http://127.0.0.1:PORT
-    grpc_target: str  # 127.0.0.1:GRPC_PORT (the public gRPC API)
+    launched: LaunchedServe
     mode: str
     api_key: str | None
-    log: list[str] = field(default_factory=list)  # stderr lines so far
+
+    @property
+    def process(self) -> subprocess.Popen:
+        return self.launched.process
+
+    @property
+    def log(self) -> list[str]:  # stderr lines so far
+        return self.launched.log
+
+    @property
+    def base_url(self) -> str:  # http://127.0.0.1:PORT
+        return f"http://127.0.0.1:{self.launched.port}"
+
+    @property
+    def grpc_target(self) -> str:  # 127.0.0.1:GRPC_PORT (the public gRPC API)
+        return f"127.0.0.1:{self.launched.grpc_port}"
 
     @property
     def headers(self) -> dict:
@@ -52,42 +57,22 @@ class LiveServer:
             return []
 
     def stop(self, timeout_s: float = 60) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(10)
+        self.launched.stop(timeout_s)
 
 
 def start_server(model_dir, mode: str, *extra: str, api_key: str | None = None, ready_timeout_s: float = 300,
                  wait_for: str = "ready: http", env: dict | None = None) -> LiveServer:
-    """Start `tandem serve` and return once its log shows ``wait_for``."""
-    port, grpc_port = free_port(), free_port()
-    command = [sys.executable, "-m", "cluster.cli", "serve", "--model", str(model_dir), "--dtype", "float32",
-               "--host", "127.0.0.1", "--port", str(port), "--grpc-port", str(grpc_port), "--mode", mode, "--max-model-len", "1024",
-               "--num-kv-blocks", "512", "--worker-threads", "1", "--served-model-name", "smollm2-135m-instruct",
-               *extra]
+    """Start `tandem serve` (float32, small pools) and return once its log shows ``wait_for``.
+    The child gets no TANDEM_* variable of ours but the cache directory, plus ``env``."""
+    args = ["--model", str(model_dir), "--dtype", "float32", "--mode", mode, "--max-model-len", "1024",
+            "--num-kv-blocks", "512", "--worker-threads", "1", "--served-model-name", "smollm2-135m-instruct", *extra]
     if api_key:
-        command += ["--api-key", api_key]
-    env = {**{k: v for k, v in os.environ.items() if not k.startswith(("TANDEM_", "RAY_ADDRESS"))}, **(env or {})}
-    env.setdefault("TANDEM_CACHE_DIR", os.environ.get("TANDEM_CACHE_DIR", ""))
-    if not env["TANDEM_CACHE_DIR"]:
-        del env["TANDEM_CACHE_DIR"]
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env,
-                               cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
-    server = LiveServer(process, f"http://127.0.0.1:{port}", f"127.0.0.1:{grpc_port}", mode, api_key)
-    threading.Thread(target=lambda: server.log.extend(process.stderr), daemon=True).start()
-    deadline = time.monotonic() + ready_timeout_s
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"tandem serve exited with {process.returncode}:\n" + "".join(server.log[-40:]))
-        if any(wait_for in line for line in server.log):
-            return server
-        time.sleep(0.2)
-    server.stop()
-    raise RuntimeError("tandem serve was not ready in time:\n" + "".join(server.log[-40:]))
+        args += ["--api-key", api_key]
+    child_env = {k: v for k, v in os.environ.items()
+                 if not k.startswith(("TANDEM_", "RAY_ADDRESS")) or k == "TANDEM_CACHE_DIR"}
+    launched = LaunchedServe(args, ready_timeout_s, wait_for, {**child_env, **(env or {})})
+    launched.start()
+    return LiveServer(launched, mode, api_key)
 
 
 @pytest.fixture(scope="session")

@@ -8,6 +8,7 @@ import asyncio
 
 import pytest
 
+from bench.launch import free_port
 from decode_worker.worker import DecodeWorker, DecodeWorkerConfig
 from engine import SamplingParams
 from engine.llm import EngineArgs
@@ -17,7 +18,6 @@ from router.dispatch import Dispatcher, Sequence
 from router.errors import APIError
 from router.policy import LoadPolicy, RoundRobinPolicy, RouteRequest, WorkerView, make_policy
 from router.workers import WorkerPool
-from tests.router.conftest import free_port
 from tests.workers import SECRET
 
 

@@ -10,6 +10,7 @@ import threading
 import httpx
 import uvicorn
 
+from bench.launch import free_port
 from decode_worker.worker import DecodeWorker, DecodeWorkerConfig
 from engine.llm import EngineArgs
 from engine.model_info import load_model_info
@@ -18,7 +19,6 @@ from router.app import build_app
 from router.policy import RoundRobinPolicy
 from router.state import RouterConfig, RouterState
 from router.workers import WorkerPool
-from tests.router.conftest import free_port
 from tests.workers import SECRET, wait_until
 
 
