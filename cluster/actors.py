@@ -75,6 +75,20 @@ class WorkerHandle:
         return self.address
 
 
+def init_ray(attempts: int = 3, **kwargs) -> None:
+    """``ray.init(**kwargs)``, tried again after a failed start: on a loaded machine the raylet
+    occasionally misses Ray's fixed 30 s registration window, and a second try succeeds."""
+    for attempt in range(1, attempts + 1):
+        try:
+            ray.init(**kwargs)
+            return
+        except Exception:  # Ray raises a bare Exception for a node that timed out during startup
+            ray.shutdown()
+            if attempt == attempts:
+                raise
+            time.sleep(2.0)
+
+
 @dataclass(frozen=True, slots=True)
 class Placement:
     num_cpus: float = 0.5  # Ray's CPU accounting only; threads are pinned by EngineArgs.num_threads

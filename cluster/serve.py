@@ -77,6 +77,7 @@ def run_serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     import ray
 
+    from cluster.actors import init_ray
     from engine.llm import EngineArgs, resolve_max_model_len
     from engine.model_info import load_model_info
     from router.policy import make_policy
@@ -93,10 +94,10 @@ def run_serve(args: argparse.Namespace) -> int:
     num_prefill = args.prefill_workers if args.mode == "disagg" else 0
     started_ray = not args.ray_address
     if started_ray:
-        ray.init(num_cpus=os.cpu_count(), resources={"prefill": max(num_prefill, 1), "decode": args.decode_workers},
+        init_ray(num_cpus=os.cpu_count(), resources={"prefill": max(num_prefill, 1), "decode": args.decode_workers},
                  include_dashboard=False, logging_level="warning")
     else:
-        ray.init(address=args.ray_address, logging_level="warning")
+        init_ray(address=args.ray_address, logging_level="warning")
     secret = os.environ.get("TANDEM_CLUSTER_SECRET") or secrets.token_urlsafe(32)
     handles: list = []  # every worker launched, whatever happens next, so that all are stopped
     from cluster.actors import WorkerStartupError

@@ -15,8 +15,10 @@ os.environ.setdefault("RAY_AUTH_MODE", "token")
 def ray_cluster():
     import ray
 
+    from cluster.actors import init_ray
+
     # Custom resources place the workers; CPUs are fractional so 2 cores host all of them.
-    ray.init(num_cpus=2, resources={"prefill": 8, "decode": 8}, include_dashboard=False,
+    init_ray(num_cpus=2, resources={"prefill": 8, "decode": 8}, include_dashboard=False,
              object_store_memory=128 << 20, logging_level="warning", configure_logging=True)
     yield ray
     ray.shutdown()
