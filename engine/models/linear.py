@@ -15,10 +15,19 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.kernels import cpu_gemv
+from engine.kernels.build import cpu_flags
+
+
+def _onednn_bf16_cpu() -> bool:
+    """oneDNN packs bfloat16 weights only on CPUs with AVX-NE-CONVERT or AVX-512 BW/VL/DQ
+    (elsewhere, e.g. AVX2-only machines, it raises; torch's default path is used there)."""
+    flags = cpu_flags()
+    return "avx_ne_convert" in flags or {"avx512bw", "avx512vl", "avx512dq"} <= flags
 
 
 def can_pack(dtype: torch.dtype, device: torch.device) -> bool:
-    return device.type == "cpu" and dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
+    return (device.type == "cpu" and dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
+            and _onednn_bf16_cpu())
 
 
 class Linear(nn.Module):
