@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import grpc
 import torch
 
+from engine.remote_kv import PrefillTiming
 from kv_transfer.grpc_transport import GrpcKVSink, KVTransferServicer, start_kv_server
 from kv_transfer.inbox import EngineInbox
 from kv_transfer.torch_dist import TorchDistKVReceiver, TorchDistKVSink
@@ -143,10 +144,10 @@ class _HoldingSink(GrpcKVSink):
     def send_layer(self, *item) -> None:
         self._held.append(item)
 
-    def send_first_token(self, request_id, token, num_cached_tokens) -> None:
+    def send_first_token(self, request_id, token, num_cached_tokens, timing=PrefillTiming()) -> None:
         for item in self._held:
             super().send_layer(*item)
-        super().send_first_token(request_id, token, num_cached_tokens)
+        super().send_first_token(request_id, token, num_cached_tokens, timing)
 
 
 def overlap(model: str, prompt_tokens: int, threads: int) -> OverlapResult:

@@ -96,14 +96,21 @@ class Placement:
     ready_timeout_s: float = 180.0
 
 
+def _forwarded_env() -> dict[str, str]:
+    """Variables the workers read that a joined Ray cluster's nodes would not have: the
+    OpenTelemetry exporter's (headers, certificates, timeouts)."""
+    return {key: value for key, value in os.environ.items() if key.startswith("OTEL_")}
+
+
 def launch_worker(role: str, config, placement: Placement = Placement(), name: str | None = None) -> WorkerHandle:
     """Start one worker actor on a node offering the ``role`` resource and wait until it
     serves. Raises WorkerStartupError (and kills the actor) if it is not ready in time."""
     if role not in ROLES:
         raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+    env = _forwarded_env()
     actor = ray.remote(WorkerActor).options(
         num_cpus=placement.num_cpus, resources={role: 1}, max_restarts=placement.max_restarts,
-        max_task_retries=0, name=name,
+        max_task_retries=0, name=name, runtime_env={"env_vars": env} if env else None,
     ).remote(role, config)
     try:
         address = _wait_ready(role, actor, placement.ready_timeout_s)

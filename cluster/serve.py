@@ -64,7 +64,15 @@ def add_serve_parser(commands) -> None:
     p.add_argument("--drain-timeout", type=float, default=_env("DRAIN_TIMEOUT", 30.0, float))
     p.add_argument("--ready-timeout", type=float, default=_env("READY_TIMEOUT", 600.0, float),
                    help="seconds each worker may take to start")
+    p.add_argument("--otlp-endpoint", default=_env("OTLP_ENDPOINT", None),
+                   help="export traces over OTLP here (also: the OTEL_EXPORTER_OTLP_* variables); default: off")
+    p.add_argument("--trace-content", action="store_true", default=_env("TRACE_CONTENT", False, _flag),
+                   help="put prompt and output text on the request spans (off: token counts only)")
     p.set_defaults(func=run_serve)
+
+
+def _flag(value: str) -> bool:
+    return value.strip().lower() in ("1", "true", "yes", "on")
 
 
 def _say(message: str) -> None:
@@ -81,8 +89,13 @@ def run_serve(args: argparse.Namespace) -> int:
     from engine.llm import EngineArgs, resolve_max_model_len
     from engine.model_info import load_model_info
     from router.policy import make_policy
+    from telemetry.tracing import tracing_config
 
     policy = make_policy(args.routing_policy)  # a bad choice fails before anything starts
+    args.tracing = tracing_config(args.otlp_endpoint, args.trace_content)  # a bad protocol fails here too
+    _say("tracing: off" if args.tracing is None else
+         f"tracing: OTLP {args.tracing.protocol} to {args.tracing.endpoint}"
+         + (" (with prompt and output text)" if args.tracing.trace_content else ""))
     _say(f"loading {args.model} (fetched and converted on first use)")
     chat_template = open(args.chat_template).read() if args.chat_template else None
     info = load_model_info(args.model, chat_template)
@@ -136,9 +149,9 @@ def _launch(engine, args, num_prefill: int, secret: str, handles: list) -> None:
     policy = KVFailurePolicy(args.kv_failure_policy)
     placement = Placement(ready_timeout_s=args.ready_timeout)
     index = PrefixIndexConfig(args.redis_url)
-    jobs = [("prefill", PrefillWorkerConfig(engine, server, prefix_index=index))] * num_prefill
-    jobs += [("decode", DecodeWorkerConfig(engine, server, prefix_index=index, kv_failure_policy=policy))
-             ] * args.decode_workers
+    jobs = [("prefill", PrefillWorkerConfig(engine, server, prefix_index=index, tracing=args.tracing))] * num_prefill
+    jobs += [("decode", DecodeWorkerConfig(engine, server, prefix_index=index, kv_failure_policy=policy,
+                                           tracing=args.tracing))] * args.decode_workers
     _say(f"starting {num_prefill} prefill and {args.decode_workers} decode workers "
          f"({args.worker_threads} threads each)")
     start = time.monotonic()
@@ -166,13 +179,15 @@ def _serve(args, info, engine, max_model_len: int, num_prefill: int, policy, sec
     from router.prefix_index import PrefixIndex
     from router.state import RouterConfig, RouterState
     from router.workers import WorkerPool
+    from telemetry.tracing import ROUTER_SERVICE, setup_tracing
 
     config = RouterConfig(served_model_name=args.served_model_name or args.model, max_model_len=max_model_len,
                           api_key=args.api_key, max_queue=args.max_queue, kv_transport=_TRANSPORTS[args.kv_transport],
                           drain_timeout_s=args.drain_timeout, local_prefill_max_tokens=args.local_prefill_max_tokens)
     pool = WorkerPool([], [], secret, policy)
     index = PrefixIndex(args.redis_url) if args.routing_policy == "prefix" else None
-    state = RouterState(config, info, pool, index)
+    tracing = setup_tracing(ROUTER_SERVICE, args.tracing, f"{args.host}:{args.port}")
+    state = RouterState(config, info, pool, index, tracing)
     tls = None
     if args.grpc_tls_cert or args.grpc_tls_key:
         if not (args.grpc_tls_cert and args.grpc_tls_key):
@@ -231,7 +246,11 @@ def _serve(args, info, engine, max_model_len: int, num_prefill: int, policy, sec
             if index is not None:
                 await index.close()
 
-    asyncio.run(main())
+    try:
+        asyncio.run(main())
+    finally:
+        if tracing is not None:
+            tracing.shutdown()  # exports what is still batched
     return 0
 async def _sweep_forever(index, pool, every_s: float = 30.0) -> None:
     """Delete the index entries of worker incarnations whose heartbeat expired."""

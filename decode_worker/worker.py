@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
 from dataclasses import dataclass, field
 
@@ -22,14 +23,33 @@ from engine.llm import EngineArgs
 from engine.remote_kv import KVFailurePolicy
 from kv_transfer.grpc_transport import KVTransferServicer
 from kv_transfer.inbox import EngineInbox, TransferFailed
-from kv_transfer.prefix_events import PrefixEventPublisher, PrefixIndexConfig, attach_publisher
+from kv_transfer.prefix_events import (
+    PrefixEventPublisher,
+    PrefixIndexConfig,
+    attach_publisher,
+)
 from kv_transfer.torch_dist import TorchDistKVReceiver
 from kv_transfer.worker_rpc import (
-    CHANNEL_OPTIONS, ServerConfig, WorkerServer, output_to_chunk, params_from_proto, params_to_proto, secret_metadata,
+    CHANNEL_OPTIONS,
+    ServerConfig,
+    WorkerServer,
+    output_to_chunk,
+    params_from_proto,
+    params_to_proto,
+    secret_metadata,
     worker_stats,
 )
 from proto import worker_pb2 as pb
 from proto import worker_pb2_grpc as pb_grpc
+from telemetry.stages import decode_spans, decode_stage_times
+from telemetry.tracing import (
+    DECODE_SERVICE,
+    Tracing,
+    TracingConfig,
+    extract,
+    inject,
+    setup_tracing,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +67,7 @@ class DecodeWorkerConfig:
     prefix_index: PrefixIndexConfig | None = None  # publish cached blocks to Redis
     kv_deadline_s: float = 30.0  # how long a prompt's KV may take to land
     stall_timeout_s: float = 300.0  # a stream with no output for this long is failed
+    tracing: TracingConfig | None = None  # None: tracing off
 
 
 @dataclass(slots=True)
@@ -56,6 +77,9 @@ class _Admission:
     seed: int  # the sampling seed both workers use
     num_prompt_tokens: int
     kv_from_pos: int | None  # remote prefill: the sender starts here; None: prefilled locally
+    received: float = 0.0  # time.monotonic() when the Generate call arrived
+    prefill_sent: float | None = None  # ... when the Prefill call left for the prefill worker
+    trace_parent: object | None = None  # the router's request span (tracing on)
 
 
 @dataclass(slots=True)
@@ -77,6 +101,7 @@ class DecodeWorker(pb_grpc.DecodeWorkerServicer):
         self.engine_loop = EngineLoop(self.core, before_step=lambda core: self.inbox.drain_into(core).outputs,
                                       after_step=self._publish_events)
         self.publisher: PrefixEventPublisher | None = None
+        self.tracing: Tracing | None = None
         self.inbox.on_put = self.engine_loop.wake
         cache = self.core.kv_cache.layers[0]
         self._token_shape = tuple(cache.shape[2:])
@@ -94,6 +119,7 @@ class DecodeWorker(pb_grpc.DecodeWorkerServicer):
     def start(self) -> str:
         """Start the server, the prefix-event publisher and the engine loop; returns host:port."""
         address = self.server.start()
+        self.tracing = setup_tracing(DECODE_SERVICE, self.config.tracing, address)
         self.publisher = attach_publisher(self.core, self.config.prefix_index, address)
         if self.publisher is not None:
             self.publisher.start()
@@ -105,6 +131,8 @@ class DecodeWorker(pb_grpc.DecodeWorkerServicer):
         self.engine_loop.stop()
         if self.publisher is not None:
             self.publisher.stop()
+        if self.tracing is not None:
+            self.tracing.shutdown()
 
     def _publish_events(self, core: EngineCore) -> None:
         if self.publisher is not None:
@@ -116,11 +144,15 @@ class DecodeWorker(pb_grpc.DecodeWorkerServicer):
 
     # -- Generate -----------------------------------------------------------------------------
     async def Generate(self, request: pb.GenerateRequest, context):
+        received = time.monotonic()
         request_id = request.request_id or f"gen-{uuid.uuid4().hex}"
         stream = _Stream(asyncio.get_running_loop())
         try:
             params = params_from_proto(request.params)
             admission = await asyncio.wrap_future(self.engine_loop.call(self._admit, request_id, request, params, stream))
+            admission.received = received
+            if self.tracing is not None:
+                admission.trace_parent = extract(context.invocation_metadata())
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except _NoCapacity as exc:
@@ -137,10 +169,14 @@ class DecodeWorker(pb_grpc.DecodeWorkerServicer):
                     await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
                                         f"no progress for {self.config.stall_timeout_s:.0f} s")
                 finished = output.finish_reason is not None
+                stages = self._finished(request_id, admission, output) if output.times is not None else None
                 if output.error is not None:
                     code = grpc.StatusCode.UNAVAILABLE if "KV transfer" in output.error else grpc.StatusCode.INTERNAL
                     await context.abort(code, output.error)
-                yield output_to_chunk(output, admission.num_prompt_tokens)
+                chunk = output_to_chunk(output, admission.num_prompt_tokens)
+                if stages is not None:
+                    chunk.stages.CopyFrom(stages)
+                yield chunk
         finally:
             logger.info("request %s %s (prompt %d tokens, %s)", request_id, "finished" if finished else "cancelled",
                         admission.num_prompt_tokens, "local prefill" if prefill is None else "remote prefill")
@@ -148,6 +184,19 @@ class DecodeWorker(pb_grpc.DecodeWorkerServicer):
                 self.engine_loop.abort(request_id)
             if prefill is not None and not prefill.done():
                 prefill.cancel()  # cancels the Prefill call: the prefill worker drops it too
+
+    def _finished(self, request_id: str, admission: _Admission, output: EngineCoreOutput) -> pb.StageTimes:
+        """Its stage times (for the router) and, with tracing on, its spans here."""
+        remote = admission.kv_from_pos is not None and not output.kv_recomputed
+        stages = decode_stage_times(admission.received, admission.prefill_sent, output.times, remote)
+        if self.tracing is not None:
+            attributes = {"tandem.request_id": request_id, "tandem.worker": self.address,
+                          "gen_ai.usage.input_tokens": admission.num_prompt_tokens,
+                          "tandem.cached_tokens": output.num_cached_tokens,
+                          "tandem.kv_recomputed": output.kv_recomputed}
+            decode_spans(self.tracing, admission.trace_parent, admission.received, admission.prefill_sent,
+                         output.times, stages, attributes, output.error)
+        return stages
 
     def _admit(self, request_id: str, request: pb.GenerateRequest, params, stream: _Stream) -> _Admission:
         """Engine thread: validate, then reserve blocks for remote KV or queue a local prefill."""
@@ -181,7 +230,9 @@ class DecodeWorker(pb_grpc.DecodeWorkerServicer):
                 kv_from_pos=admission.kv_from_pos, transport=target.transport, kv_target=kv_target,
                 deadline_ms=int(deadline_s * 1000),
             )
-            await self._prefill_stub(target.address).Prefill(call, timeout=deadline_s, metadata=self._metadata)
+            admission.prefill_sent = time.monotonic()
+            await self._prefill_stub(target.address).Prefill(call, timeout=deadline_s,
+                                                             metadata=self._metadata + inject(admission.trace_parent))
         except grpc.aio.AioRpcError as exc:
             reason = f"prefill worker {target.address}: {exc.code().name}: {exc.details()}"
             self.inbox.put(TransferFailed(request_id, reason))

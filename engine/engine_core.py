@@ -25,8 +25,8 @@ from engine.model_runner import ModelRunner
 from engine.models.loader import load_model
 from engine.models.ops import select_ops
 from engine.outputs import Logprob, PositionLogprobs
-from engine.remote_kv import KVExport, KVExporter, KVFailurePolicy, KVImporter
-from engine.request import Request, RequestStatus
+from engine.remote_kv import KVExport, KVExporter, KVFailurePolicy, KVImporter, PrefillTiming
+from engine.request import Request, RequestStatus, RequestTimes
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, TokenUpdate
 from engine.scheduler_types import SampledToken, TokenLogprobs
@@ -46,6 +46,16 @@ class EngineCoreOutput:
     num_cached_tokens: int
     error: str | None = None  # why the request failed (finish_reason "error")
     kv_recomputed: bool = False  # its remote KV failed and the prompt was prefilled here
+    times: RequestTimes | None = None  # on the last output: when it passed each point here
+
+
+@dataclass(frozen=True, slots=True)
+class KVLanding:
+    """When a remote prefill's KV reached this process, and what its sender measured."""
+
+    landed_at: float  # time.monotonic() when the first token (the last message) arrived
+    first_chunk_at: float | None = None  # ... and the first KV chunk (None: the transport did not say)
+    sender: PrefillTiming = PrefillTiming()
 
 
 @dataclass(slots=True)
@@ -153,14 +163,20 @@ class EngineCore:
         self.kv_importer.write(request_id, layer, start_pos, kv)
 
     def finish_remote_kv(
-        self, request_id: str, first_token: SampledToken, sender_cached_tokens: int = 0
+        self, request_id: str, first_token: SampledToken, sender_cached_tokens: int = 0,
+        landing: KVLanding | None = None,
     ) -> EngineCoreOutput:
         """All KV has landed: the request joins the batch with its first token. Raises
         (and leaves the request waiting) if any expected KV is missing.
         ``sender_cached_tokens``: prompt positions the sender reused rather than computed."""
-        self.kv_importer.take_complete(request_id)
+        state = self.kv_importer.take_complete(request_id)
         update = self.scheduler.finish_remote_kv(request_id, first_token)
         update.request.num_cached_tokens = max(update.request.num_cached_tokens, sender_cached_tokens)
+        times = update.request.times
+        times.kv_bytes = state.num_bytes
+        if landing is not None:
+            times.kv_landed, times.kv_first_chunk = landing.landed_at, landing.first_chunk_at
+            times.sender_queue_s, times.sender_prefill_s = landing.sender.queue_s, landing.sender.prefill_s
         self.counters.num_generation_tokens += len(update.new_token_ids)
         return self._process(update)
 
@@ -180,8 +196,9 @@ class EngineCore:
         request = self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ERROR)
         self._detokenizers.pop(request_id, None)
         self.counters.num_kv_failed += 1
+        request.times.finished = time.monotonic()
         return EngineCoreOutput(request_id, [], [], [], "", "error", None, request.num_cached_tokens,
-                                error=f"the prompt's KV transfer failed: {reason}")
+                                error=f"the prompt's KV transfer failed: {reason}", times=request.times)
 
     def abort_request(self, request_id: str) -> EngineCoreOutput | None:
         request = self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
@@ -190,8 +207,9 @@ class EngineCore:
         self.kv_exporter.close(request_id, "abort")
         if request is None:
             return None
+        request.times.finished = time.monotonic()
         return EngineCoreOutput(request_id, [], [], [], detok.take_delta(True) if detok else "",
-                                "abort", None, request.num_cached_tokens)
+                                "abort", None, request.num_cached_tokens, times=request.times)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -205,6 +223,11 @@ class EngineCore:
         if not scheduled.seqs:
             return failed_outputs
         self._count_prompt_tokens(scheduled)
+        now = time.monotonic()
+        for seq in scheduled.seqs:
+            times = self.scheduler.requests[seq.request_id].times
+            if times.scheduled is None and times.first_token is None:  # its prompt starts computing here
+                times.scheduled = now
         self.counters.max_num_running = max(self.counters.max_num_running, len(scheduled.seqs))
         try:
             runner_output = self.runner.execute(scheduled)
@@ -216,11 +239,14 @@ class EngineCore:
                 self.kv_exporter.close(seq.request_id, "error")
             raise
         updates = self.scheduler.update_from_output(scheduled, runner_output)
+        now = time.monotonic()
         for update in updates:  # prefill role: the prompt is done, its first token goes along
             request = update.request
             if request.kv_export_from is not None and update.new_token_ids and len(request.output_token_ids) == 1:
+                scheduled_at = request.times.scheduled or now
+                timing = PrefillTiming(max(0.0, scheduled_at - request.arrival_time), now - scheduled_at)
                 self.kv_exporter.first_token(request.request_id, runner_output.sampled[request.request_id],
-                                             request.num_cached_tokens)
+                                             request.num_cached_tokens, timing)
         outputs = [self._process(update) for update in updates]
         for output in outputs:
             self.counters.num_generation_tokens += len(output.new_token_ids)
@@ -257,8 +283,12 @@ class EngineCore:
             new_prompt_lp.insert(0, None)  # the first prompt token has no context to score it
         request.prompt_logprobs.extend(new_prompt_lp)
         finished = request.status.is_finished
+        times = request.times
+        if update.new_token_ids and times.first_token is None:
+            times.first_token = time.monotonic()
         if finished:
             self._detokenizers.pop(request.request_id, None)
+            times.finished = time.monotonic()
         return EngineCoreOutput(
             request_id=request.request_id,
             new_token_ids=update.new_token_ids,
@@ -269,6 +299,7 @@ class EngineCore:
             stop_reason=request.stop_reason,
             num_cached_tokens=request.num_cached_tokens,
             kv_recomputed=request.kv_recomputed,
+            times=times if finished else None,
         )
 
     def _to_position(self, lp: TokenLogprobs) -> PositionLogprobs:

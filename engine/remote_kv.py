@@ -22,6 +22,14 @@ class KVFailurePolicy(enum.Enum):
     FAIL = "fail"  # the request ends with an error the client sees
 
 
+@dataclass(frozen=True, slots=True)
+class PrefillTiming:
+    """What the prefill side measured for one request (sent along with its first token)."""
+
+    queue_s: float = 0.0  # the request arrived until its prefill began
+    prefill_s: float = 0.0  # its prefill began until the first token was sampled
+
+
 class KVSink(ABC):
     """Where a prefill engine sends one request's KV.
 
@@ -39,9 +47,11 @@ class KVSink(ABC):
         """kv: [num_tokens, 2 * kv_heads, head_dim] for positions start_pos ... (keys then values)."""
 
     @abstractmethod
-    def send_first_token(self, request_id: str, token: SampledToken, num_cached_tokens: int) -> None:
+    def send_first_token(self, request_id: str, token: SampledToken, num_cached_tokens: int,
+                         timing: PrefillTiming = PrefillTiming()) -> None:
         """The prompt is complete on the sender; ``token`` was sampled from its last position.
-        ``num_cached_tokens``: leading prompt positions the sender reused from its own cache."""
+        ``num_cached_tokens``: leading prompt positions the sender reused from its own cache;
+        ``timing``: how long it queued and prefilled there."""
 
     @abstractmethod
     def close(self, request_id: str, finish_reason: str) -> None:
@@ -149,10 +159,11 @@ class KVExporter:
         if sink is not None:
             sink.send_layer(request_id, layer, start_pos, kv)
 
-    def first_token(self, request_id: str, token: SampledToken, num_cached_tokens: int) -> None:
+    def first_token(self, request_id: str, token: SampledToken, num_cached_tokens: int,
+                    timing: PrefillTiming) -> None:
         sink = self._sinks.get(request_id)
         if sink is not None:
-            sink.send_first_token(request_id, token, num_cached_tokens)
+            sink.send_first_token(request_id, token, num_cached_tokens, timing)
 
     def close(self, request_id: str, finish_reason: str) -> None:
         sink = self._sinks.pop(request_id, None)

@@ -44,6 +44,22 @@ _FINISH_REASONS = {
 
 
 @dataclass(slots=True)
+class RequestTimes:
+    """When a request passed each point, on this process's ``time.monotonic()`` clock (None:
+    not yet). Workers turn these into stage latencies and trace spans."""
+
+    scheduled: float | None = None  # first scheduled to compute its prompt here
+    first_token: float | None = None  # its first token was emitted here
+    finished: float | None = None
+    # decode role, remote prefill: when its KV landed, and what the prefill worker measured
+    kv_first_chunk: float | None = None  # the first KV chunk reached this process
+    kv_landed: float | None = None  # the transfer's last message (the first token) reached this process
+    sender_queue_s: float = 0.0  # on the prefill worker: Prefill call received until its prefill began
+    sender_prefill_s: float = 0.0  # on the prefill worker: prefill began until the first token
+    kv_bytes: int = 0  # KV bytes received for it
+
+
+@dataclass(slots=True)
 class Request:
     """One sequence being generated (a request with n > 1 becomes n of these).
 
@@ -72,6 +88,7 @@ class Request:
     kv_export_from: int | None = None  # prefill role: export KV of positions from here on
     kv_recomputed: bool = False  # decode role: its remote KV failed, the prompt is computed here
     block_hashes: list[bytes] = field(default_factory=list)  # prefix digests of full blocks
+    times: RequestTimes = field(default_factory=RequestTimes)
 
     @property
     def skip_prefix_cache(self) -> bool:

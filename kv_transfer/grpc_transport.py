@@ -7,15 +7,25 @@ from __future__ import annotations
 import hmac
 import queue
 import threading
+import time
 from concurrent import futures
+from dataclasses import dataclass
 
 import grpc
 import torch
 
-from engine.remote_kv import KVSink
+from engine.engine_core import KVLanding
+from engine.remote_kv import KVSink, PrefillTiming
 from engine.scheduler_types import SampledToken, TokenLogprobs
 from kv_transfer.inbox import EngineInbox, FirstTokenArrival, KVArrival, TransferFailed
-from kv_transfer.wire import MAX_CHUNK_BYTES, CorruptChunkError, decode_chunk, encode_layer, frame, parse_frame
+from kv_transfer.wire import (
+    MAX_CHUNK_BYTES,
+    CorruptChunkError,
+    decode_chunk,
+    encode_layer,
+    frame,
+    parse_frame,
+)
 from proto import kv_transfer_pb2 as pb
 
 SECRET_METADATA_KEY = "x-tandem-cluster-secret"
@@ -88,7 +98,7 @@ class _PushStream:
 
     def __init__(self, inbox: EngineInbox, dtype: torch.dtype, token_shape: tuple[int, int]) -> None:
         self._inbox, self._dtype, self._token_shape = inbox, dtype, token_shape
-        self._open: set[str] = set()  # request ids with KV on this stream but no first token yet
+        self._open: dict[str, float] = {}  # request id with KV here but no first token yet -> its first chunk's arrival
         self.rejected: dict[str, str] = {}
         self.reply = pb.PushReply()
 
@@ -105,19 +115,17 @@ class _PushStream:
             except CorruptChunkError as exc:
                 self.rejected[request_id] = str(exc)
                 self.reply.rejected[request_id] = str(exc)
-                self._open.discard(request_id)
+                self._open.pop(request_id, None)
                 inbox.put(TransferFailed(request_id, str(exc)))
                 return
-            self._open.add(request_id)
+            self._open.setdefault(request_id, time.monotonic())
             inbox.put(KVArrival(chunk.request_id, chunk.layer, chunk.start_pos, chunk.kv))
             self.reply.bytes_received += payload.nbytes
             self.reply.chunks_received += 1
         elif kind == "first_token":
-            self._open.discard(request_id)
-            first = message.first_token
-            inbox.put(FirstTokenArrival(request_id, sampled_token(first), first.num_cached_tokens))
+            inbox.put(first_token_arrival(message.first_token, self._open.pop(request_id, None)))
         else:
-            self._open.discard(request_id)
+            self._open.pop(request_id, None)
             inbox.put(TransferFailed(request_id, f"sender aborted: {message.abort.reason}"))
 
     def close(self) -> None:
@@ -126,8 +134,10 @@ class _PushStream:
         self._open.clear()
 
 
-def first_token_message(request_id: str, token: SampledToken, num_cached_tokens: int) -> pb.KVMessage:
-    first = pb.FirstToken(request_id=request_id, token_id=token.token_id, num_cached_tokens=num_cached_tokens)
+def first_token_message(request_id: str, token: SampledToken, num_cached_tokens: int,
+                        timing: PrefillTiming = PrefillTiming()) -> pb.KVMessage:
+    first = pb.FirstToken(request_id=request_id, token_id=token.token_id, num_cached_tokens=num_cached_tokens,
+                          queue_seconds=timing.queue_s, prefill_seconds=timing.prefill_s)
     if token.logprobs is not None:
         first.logprob_token_ids.extend(token.logprobs.token_ids)
         first.logprobs.extend(token.logprobs.logprobs)
@@ -135,11 +145,25 @@ def first_token_message(request_id: str, token: SampledToken, num_cached_tokens:
     return pb.KVMessage(first_token=first)
 
 
-def sampled_token(first: pb.FirstToken) -> SampledToken:
+def first_token_arrival(first: pb.FirstToken, first_chunk_at: float | None) -> FirstTokenArrival:
+    """A FirstToken message that just landed, as the engine inbox takes it."""
     logprobs = None
     if first.logprob_token_ids:
         logprobs = TokenLogprobs(list(first.logprob_token_ids), list(first.logprobs), list(first.ranks))
-    return SampledToken(first.token_id, logprobs)
+    sender = PrefillTiming(max(0.0, first.queue_seconds), max(0.0, first.prefill_seconds))
+    return FirstTokenArrival(first.request_id, SampledToken(first.token_id, logprobs), first.num_cached_tokens,
+                             KVLanding(time.monotonic(), first_chunk_at, sender))
+
+
+@dataclass(frozen=True, slots=True)
+class LayerSend:
+    """One layer's KV for one request leaving a sender (for its trace span)."""
+
+    layer: int
+    start_pos: int
+    num_bytes: int
+    started: float  # time.monotonic(): taken off the send queue
+    ended: float  # its last frame was handed to the transport
 
 
 def start_kv_server(servicer: KVTransferServicer, host: str = "127.0.0.1", port: int = 0, workers: int = 4):
@@ -172,6 +196,7 @@ class GrpcKVSink(KVSink):
         self.reply: pb.PushReply | None = None
         self.error: grpc.RpcError | None = None
         self.cancelled = False
+        self.layer_sends: list[LayerSend] = []
         self._call: grpc.Future | None = None
         self._thread = threading.Thread(target=self._run, name="kv-push", daemon=True)
         self._thread.start()
@@ -182,8 +207,12 @@ class GrpcKVSink(KVSink):
             if item is _END:
                 return
             if isinstance(item, tuple):  # (request id, layer, start, kv)
+                started = time.monotonic()
                 for data in encode_layer(*item, max_chunk_bytes=self._max_chunk_bytes):
                     yield self._on_frame(data)
+                kv = item[3]
+                self.layer_sends.append(LayerSend(item[1], item[2], kv.numel() * kv.element_size(), started,
+                                                  time.monotonic()))
             else:
                 yield frame(item)
 
@@ -214,8 +243,9 @@ class GrpcKVSink(KVSink):
     def send_layer(self, request_id: str, layer: int, start_pos: int, kv: torch.Tensor) -> None:
         self._queue.put((request_id, layer, start_pos, kv))
 
-    def send_first_token(self, request_id: str, token: SampledToken, num_cached_tokens: int) -> None:
-        self._queue.put(first_token_message(request_id, token, num_cached_tokens))
+    def send_first_token(self, request_id: str, token: SampledToken, num_cached_tokens: int,
+                         timing: PrefillTiming = PrefillTiming()) -> None:
+        self._queue.put(first_token_message(request_id, token, num_cached_tokens, timing))
 
     def close(self, request_id: str, finish_reason: str) -> None:
         if finish_reason not in ("stop", "length"):  # the receiver must not wait for this one

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.engine_core import EngineCore, EngineCoreOutput
+from engine.engine_core import EngineCore, EngineCoreOutput, KVLanding
 from engine.scheduler_types import SampledToken
 
 
@@ -30,6 +30,7 @@ class FirstTokenArrival:
     request_id: str
     token: SampledToken
     sender_cached_tokens: int  # prompt positions the sender reused from its own cache
+    landing: KVLanding | None = None  # when it (and the first chunk) arrived, what the sender measured
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,7 +79,8 @@ class EngineInbox:
                     engine.write_remote_kv(item.request_id, item.layer, item.start_pos, item.kv)
                 elif isinstance(item, FirstTokenArrival):
                     result.outputs.append(
-                        engine.finish_remote_kv(item.request_id, item.token, item.sender_cached_tokens))
+                        engine.finish_remote_kv(item.request_id, item.token, item.sender_cached_tokens,
+                                                item.landing))
                 else:
                     self._fail(engine, item.request_id, item.reason, result)
             except (KeyError, ValueError) as exc:

@@ -5,12 +5,13 @@ memory with the sender), bytes are counted, and the first token completes the tr
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
 
-from engine.engine_core import EngineCore, EngineCoreOutput
-from engine.remote_kv import KVSink
+from engine.engine_core import EngineCore, EngineCoreOutput, KVLanding
+from engine.remote_kv import KVSink, PrefillTiming
 from engine.scheduler_types import SampledToken
 
 
@@ -29,9 +30,11 @@ class InProcessKVSink(KVSink):
         except (KeyError, ValueError) as exc:
             self.errors[request_id] = str(exc)
 
-    def send_first_token(self, request_id: str, token: SampledToken, num_cached_tokens: int) -> None:
+    def send_first_token(self, request_id: str, token: SampledToken, num_cached_tokens: int,
+                         timing: PrefillTiming = PrefillTiming()) -> None:
         try:
-            self.first_outputs.append(self.receiver.finish_remote_kv(request_id, token, num_cached_tokens))
+            landing = KVLanding(time.monotonic(), None, timing)
+            self.first_outputs.append(self.receiver.finish_remote_kv(request_id, token, num_cached_tokens, landing))
         except (KeyError, ValueError) as exc:
             self.errors[request_id] = str(exc)
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import hmac
 import queue
 import threading
+import time
 import warnings
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -21,10 +22,10 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from engine.remote_kv import KVSink
+from engine.remote_kv import KVSink, PrefillTiming
 from engine.scheduler_types import SampledToken
-from kv_transfer.grpc_transport import first_token_message, sampled_token
-from kv_transfer.inbox import EngineInbox, FirstTokenArrival, KVArrival, TransferFailed
+from kv_transfer.grpc_transport import LayerSend, first_token_arrival, first_token_message
+from kv_transfer.inbox import EngineInbox, KVArrival, TransferFailed
 from kv_transfer.wire import CorruptChunkError, decode_chunk, encode_layer, frame, parse_frame
 from proto import kv_transfer_pb2 as pb
 
@@ -83,7 +84,7 @@ class TorchDistKVReceiver:
         self._store = dist.TCPStore(host, 0, 2, True, self._timeout, wait_for_workers=False)
         self.address = (host, self._store.port)
         self.stats = TransferStats()
-        self._open: set[str] = set()  # requests with KV on this pair but no first token yet
+        self._open: dict[str, float] = {}  # request with KV on this pair but no first token yet -> first chunk's arrival
         self._thread = threading.Thread(target=self._run, name="kv-recv-gloo", daemon=True)
         self._thread.start()
 
@@ -113,19 +114,17 @@ class TorchDistKVReceiver:
                 chunk = decode_chunk(message.chunk, payload, self._dtype, self._token_shape)
             except CorruptChunkError as exc:
                 self.stats.rejected[request_id] = str(exc)
-                self._open.discard(request_id)
+                self._open.pop(request_id, None)
                 self._inbox.put(TransferFailed(request_id, str(exc)))
                 return
-            self._open.add(request_id)
+            self._open.setdefault(request_id, time.monotonic())
             self._inbox.put(KVArrival(chunk.request_id, chunk.layer, chunk.start_pos, chunk.kv))
             self.stats.bytes_received += payload.nbytes
             self.stats.chunks_received += 1
         elif kind == "first_token":
-            self._open.discard(request_id)
-            first = message.first_token
-            self._inbox.put(FirstTokenArrival(request_id, sampled_token(first), first.num_cached_tokens))
+            self._inbox.put(first_token_arrival(message.first_token, self._open.pop(request_id, None)))
         else:
-            self._open.discard(request_id)
+            self._open.pop(request_id, None)
             self._inbox.put(TransferFailed(request_id, f"sender aborted: {message.abort.reason}"))
 
     @property
@@ -150,6 +149,8 @@ class TorchDistKVSink(KVSink):
         self._queue: queue.Queue = queue.Queue()
         self.bytes_sent = 0
         self.error: str | None = None
+        # request id -> its layers sent so far (trace spans); whoever registers a request takes them back
+        self.layer_sends: dict[str, list[LayerSend]] = {}
         self._thread = threading.Thread(target=self._run, name="kv-send-gloo", daemon=True)
         self._thread.start()
 
@@ -160,9 +161,14 @@ class TorchDistKVSink(KVSink):
             _send_frame(group, _bytes_tensor(self._secret.encode()), _RECEIVER)
             while (item := self._queue.get()) is not _END:
                 if isinstance(item, tuple):
+                    started, num_bytes = time.monotonic(), 0
                     for data in encode_layer(*item, max_chunk_bytes=self._max_chunk_bytes):
-                        self.bytes_sent += parse_frame(data)[1].nbytes
+                        num_bytes += parse_frame(data)[1].nbytes
                         _send_frame(group, self._frame_tensor(data), _RECEIVER)
+                    self.bytes_sent += num_bytes
+                    sends = self.layer_sends.get(item[0])
+                    if sends is not None:
+                        sends.append(LayerSend(item[1], item[2], num_bytes, started, time.monotonic()))
                 else:
                     _send_frame(group, _bytes_tensor(frame(item)), _RECEIVER)
             _send_frame(group, torch.empty(0, dtype=torch.uint8), _RECEIVER)
@@ -176,8 +182,9 @@ class TorchDistKVSink(KVSink):
     def send_layer(self, request_id: str, layer: int, start_pos: int, kv: torch.Tensor) -> None:
         self._queue.put((request_id, layer, start_pos, kv))
 
-    def send_first_token(self, request_id: str, token: SampledToken, num_cached_tokens: int) -> None:
-        self._queue.put(first_token_message(request_id, token, num_cached_tokens))
+    def send_first_token(self, request_id: str, token: SampledToken, num_cached_tokens: int,
+                         timing: PrefillTiming = PrefillTiming()) -> None:
+        self._queue.put(first_token_message(request_id, token, num_cached_tokens, timing))
 
     def close(self, request_id: str, finish_reason: str) -> None:
         if finish_reason not in ("stop", "length"):

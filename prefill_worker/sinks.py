@@ -14,14 +14,15 @@ from abc import abstractmethod
 import grpc
 import torch
 
-from engine.remote_kv import KVSink
+from engine.remote_kv import KVSink, PrefillTiming
 from engine.scheduler_types import SampledToken
-from kv_transfer.grpc_transport import GrpcKVSink
+from kv_transfer.grpc_transport import GrpcKVSink, LayerSend
 from kv_transfer.torch_dist import TorchDistKVSink
 
 
 class RequestSink(KVSink):
     bytes_sent: int
+    layer_sends: list[LayerSend]  # what left so far, layer by layer (trace spans)
 
     @abstractmethod
     def finish(self, timeout_s: float) -> str | None:
@@ -102,16 +103,19 @@ class _PairRequestSink(RequestSink):
     """One request on a shared torch.distributed pair: forwards to the pair, counts its bytes.
     Delivery is confirmed by the decode worker's own verification, not here."""
 
-    def __init__(self, pair: TorchDistKVSink) -> None:
+    def __init__(self, pair: TorchDistKVSink, request_id: str) -> None:
         self._pair = pair
+        self._request_id = request_id
         self.bytes_sent = 0
+        self.layer_sends = pair.layer_sends.setdefault(request_id, [])
 
     def send_layer(self, request_id: str, layer: int, start_pos: int, kv: torch.Tensor) -> None:
         self.bytes_sent += kv.numel() * kv.element_size()
         self._pair.send_layer(request_id, layer, start_pos, kv)
 
-    def send_first_token(self, request_id: str, token: SampledToken, num_cached_tokens: int) -> None:
-        self._pair.send_first_token(request_id, token, num_cached_tokens)
+    def send_first_token(self, request_id: str, token: SampledToken, num_cached_tokens: int,
+                         timing: PrefillTiming = PrefillTiming()) -> None:
+        self._pair.send_first_token(request_id, token, num_cached_tokens, timing)
 
     def close(self, request_id: str, finish_reason: str) -> None:
         self._pair.close(request_id, finish_reason)
@@ -120,8 +124,9 @@ class _PairRequestSink(RequestSink):
         return self._pair.error
 
     def cancel(self) -> None:
-        pass  # the engine's abort already queued a TransferAbort on the pair
+        # the engine's abort already queued a TransferAbort on the pair; stop recording its sends
+        self._pair.layer_sends.pop(self._request_id, None)
 
 
-def torch_request_sink(pair: TorchDistKVSink) -> RequestSink:
-    return _PairRequestSink(pair)
+def torch_request_sink(pair: TorchDistKVSink, request_id: str) -> RequestSink:
+    return _PairRequestSink(pair, request_id)

@@ -19,12 +19,35 @@ from engine.engine_core import EngineCore, EngineCoreOutput
 from engine.engine_loop import EngineLoop
 from engine.llm import EngineArgs
 from engine.remote_kv import KVExport, prefill_side_params
-from kv_transfer.prefix_events import PrefixEventPublisher, PrefixIndexConfig, attach_publisher
+from kv_transfer.prefix_events import (
+    PrefixEventPublisher,
+    PrefixIndexConfig,
+    attach_publisher,
+)
 from kv_transfer.torch_dist import TorchDistKVSink
-from kv_transfer.worker_rpc import CHANNEL_OPTIONS, ServerConfig, WorkerServer, params_from_proto, worker_stats
-from prefill_worker.sinks import FramePause, RequestSink, grpc_request_sink, torch_request_sink
+from kv_transfer.worker_rpc import (
+    CHANNEL_OPTIONS,
+    ServerConfig,
+    WorkerServer,
+    params_from_proto,
+    worker_stats,
+)
+from prefill_worker.sinks import (
+    FramePause,
+    RequestSink,
+    grpc_request_sink,
+    torch_request_sink,
+)
 from proto import worker_pb2 as pb
 from proto import worker_pb2_grpc as pb_grpc
+from telemetry.stages import prefill_spans
+from telemetry.tracing import (
+    PREFILL_SERVICE,
+    Tracing,
+    TracingConfig,
+    extract,
+    setup_tracing,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,6 +56,7 @@ class PrefillWorkerConfig:
     server: ServerConfig
     prefix_index: PrefixIndexConfig | None = None  # publish cached blocks to Redis
     default_deadline_s: float = 30.0  # for requests that name none
+    tracing: TracingConfig | None = None  # None: tracing off
 
 
 class PrefillWorker(pb_grpc.PrefillWorkerServicer):
@@ -41,6 +65,7 @@ class PrefillWorker(pb_grpc.PrefillWorkerServicer):
         self.core: EngineCore = config.engine.build().engine_core
         self.engine_loop = EngineLoop(self.core, after_step=self._publish_events)
         self.publisher: PrefixEventPublisher | None = None
+        self.tracing: Tracing | None = None
         self.server = WorkerServer(config.server, lambda server: pb_grpc.add_PrefillWorkerServicer_to_server(self, server))
         self._channels: dict[str, grpc.Channel] = {}  # decode worker address -> channel (aio loop only)
         self._torch_pairs: dict[str, TorchDistKVSink] = {}  # decode rendezvous -> pair (aio loop only)
@@ -50,6 +75,7 @@ class PrefillWorker(pb_grpc.PrefillWorkerServicer):
 
     def start(self) -> str:
         address = self.server.start()
+        self.tracing = setup_tracing(PREFILL_SERVICE, self.config.tracing, address)
         self.publisher = attach_publisher(self.core, self.config.prefix_index, address)
         if self.publisher is not None:
             self.publisher.start()
@@ -67,12 +93,15 @@ class PrefillWorker(pb_grpc.PrefillWorkerServicer):
         self.engine_loop.stop()
         if self.publisher is not None:
             self.publisher.stop()
+        if self.tracing is not None:
+            self.tracing.shutdown()
 
     @property
     def address(self) -> str:
         return self.server.address
 
     async def Prefill(self, request: pb.PrefillRequest, context) -> pb.PrefillReply:
+        received = time.monotonic()
         if not request.params.HasField("seed"):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "Prefill needs the decode worker's seed")
         if request.request_id in self._held:
@@ -86,11 +115,18 @@ class PrefillWorker(pb_grpc.PrefillWorkerServicer):
         self._held[request.request_id] = sink
         finished: asyncio.Future = asyncio.get_running_loop().create_future()
         try:
-            await asyncio.wrap_future(self.engine_loop.call(self._admit, request, params, sink, _Notify(finished)))
+            await asyncio.wrap_future(self.engine_loop.call(self._admit, request, params, sink, _Notify(finished),
+                                                            received))
             output = await asyncio.wait_for(finished, deadline - time.monotonic())
             if output.finish_reason not in ("stop", "length"):
                 await context.abort(grpc.StatusCode.ABORTED, output.error or f"prefill ended: {output.finish_reason}")
             error = await asyncio.to_thread(sink.finish, max(0.0, deadline - time.monotonic()))
+            if self.tracing is not None and output.times is not None:
+                attributes = {"tandem.request_id": request.request_id, "tandem.worker": self.address,
+                              "gen_ai.usage.input_tokens": len(request.prompt_token_ids),
+                              "tandem.cached_tokens": output.num_cached_tokens, "tandem.kv_target": request.kv_target}
+                prefill_spans(self.tracing, extract(context.invocation_metadata()), received, output.times,
+                              sink.layer_sends, attributes, error)
             if error is not None:
                 await context.abort(grpc.StatusCode.UNAVAILABLE, f"pushing KV to {request.kv_target}: {error}")
             self.kv_bytes_sent += sink.bytes_sent
@@ -106,10 +142,12 @@ class PrefillWorker(pb_grpc.PrefillWorkerServicer):
             self._held.pop(request.request_id, None)
             sink.cancel()
 
-    def _admit(self, request: pb.PrefillRequest, params, sink: RequestSink, notify: "_Notify") -> None:
+    def _admit(self, request: pb.PrefillRequest, params, sink: RequestSink, notify: "_Notify",
+               received: float) -> None:
         """Engine thread."""
         engine_request = self.core.make_request(request.request_id, list(request.prompt_token_ids), params,
                                                 request.cache_salt or None)
+        engine_request.arrival_time = received  # its queue time starts when the call arrived
         self.core.add_request(engine_request, KVExport(sink, request.kv_from_pos))
         self.engine_loop.listen(request.request_id, notify)
 
@@ -121,7 +159,7 @@ class PrefillWorker(pb_grpc.PrefillWorkerServicer):
                 host, _, port = request.kv_target.rpartition(":")
                 pair = TorchDistKVSink((host, int(port)), secret, timeout_s=self.config.default_deadline_s)
                 self._torch_pairs[request.kv_target] = pair
-            return torch_request_sink(pair)
+            return torch_request_sink(pair, request.request_id)
         channel = self._channels.get(request.kv_target)
         if channel is None:
             channel = self._channels[request.kv_target] = grpc.insecure_channel(request.kv_target, options=CHANNEL_OPTIONS)

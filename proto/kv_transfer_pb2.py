@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17proto/kv_transfer.proto\x12\ttandem.v1\"\x9a\x01\n\x07KVChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05layer\x18\x02 \x01(\r\x12\x11\n\tstart_pos\x18\x03 \x01(\r\x12\x12\n\nnum_tokens\x18\x04 \x01(\r\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\r\n\x05shape\x18\x06 \x03(\r\x12\x10\n\x08\x63hecksum\x18\x07 \x01(\x04\x12\x15\n\rpayload_bytes\x18\x08 \x01(\x04\"\x89\x01\n\nFirstToken\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08token_id\x18\x02 \x01(\r\x12\x19\n\x11logprob_token_ids\x18\x03 \x03(\r\x12\x10\n\x08logprobs\x18\x04 \x03(\x02\x12\r\n\x05ranks\x18\x05 \x03(\r\x12\x19\n\x11num_cached_tokens\x18\x06 \x01(\r\"3\n\rTransferAbort\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\x91\x01\n\tKVMessage\x12#\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x12.tandem.v1.KVChunkH\x00\x12,\n\x0b\x66irst_token\x18\x02 \x01(\x0b\x32\x15.tandem.v1.FirstTokenH\x00\x12)\n\x05\x61\x62ort\x18\x03 \x01(\x0b\x32\x18.tandem.v1.TransferAbortH\x00\x42\x06\n\x04kind\"\xa3\x01\n\tPushReply\x12\x16\n\x0e\x62ytes_received\x18\x01 \x01(\x04\x12\x17\n\x0f\x63hunks_received\x18\x02 \x01(\r\x12\x34\n\x08rejected\x18\x03 \x03(\x0b\x32\".tandem.v1.PushReply.RejectedEntry\x1a/\n\rRejectedEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17proto/kv_transfer.proto\x12\ttandem.v1\"\x9a\x01\n\x07KVChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05layer\x18\x02 \x01(\r\x12\x11\n\tstart_pos\x18\x03 \x01(\r\x12\x12\n\nnum_tokens\x18\x04 \x01(\r\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\r\n\x05shape\x18\x06 \x03(\r\x12\x10\n\x08\x63hecksum\x18\x07 \x01(\x04\x12\x15\n\rpayload_bytes\x18\x08 \x01(\x04\"\xb9\x01\n\nFirstToken\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08token_id\x18\x02 \x01(\r\x12\x19\n\x11logprob_token_ids\x18\x03 \x03(\r\x12\x10\n\x08logprobs\x18\x04 \x03(\x02\x12\r\n\x05ranks\x18\x05 \x03(\r\x12\x19\n\x11num_cached_tokens\x18\x06 \x01(\r\x12\x15\n\rqueue_seconds\x18\x07 \x01(\x02\x12\x17\n\x0fprefill_seconds\x18\x08 \x01(\x02\"3\n\rTransferAbort\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\x91\x01\n\tKVMessage\x12#\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x12.tandem.v1.KVChunkH\x00\x12,\n\x0b\x66irst_token\x18\x02 \x01(\x0b\x32\x15.tandem.v1.FirstTokenH\x00\x12)\n\x05\x61\x62ort\x18\x03 \x01(\x0b\x32\x18.tandem.v1.TransferAbortH\x00\x42\x06\n\x04kind\"\xa3\x01\n\tPushReply\x12\x16\n\x0e\x62ytes_received\x18\x01 \x01(\x04\x12\x17\n\x0f\x63hunks_received\x18\x02 \x01(\r\x12\x34\n\x08rejected\x18\x03 \x03(\x0b\x32\".tandem.v1.PushReply.RejectedEntry\x1a/\n\rRejectedEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,13 +36,13 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_KVCHUNK']._serialized_start=39
   _globals['_KVCHUNK']._serialized_end=193
   _globals['_FIRSTTOKEN']._serialized_start=196
-  _globals['_FIRSTTOKEN']._serialized_end=333
-  _globals['_TRANSFERABORT']._serialized_start=335
-  _globals['_TRANSFERABORT']._serialized_end=386
-  _globals['_KVMESSAGE']._serialized_start=389
-  _globals['_KVMESSAGE']._serialized_end=534
-  _globals['_PUSHREPLY']._serialized_start=537
-  _globals['_PUSHREPLY']._serialized_end=700
-  _globals['_PUSHREPLY_REJECTEDENTRY']._serialized_start=653
-  _globals['_PUSHREPLY_REJECTEDENTRY']._serialized_end=700
+  _globals['_FIRSTTOKEN']._serialized_end=381
+  _globals['_TRANSFERABORT']._serialized_start=383
+  _globals['_TRANSFERABORT']._serialized_end=434
+  _globals['_KVMESSAGE']._serialized_start=437
+  _globals['_KVMESSAGE']._serialized_end=582
+  _globals['_PUSHREPLY']._serialized_start=585
+  _globals['_PUSHREPLY']._serialized_end=748
+  _globals['_PUSHREPLY_REJECTEDENTRY']._serialized_start=701
+  _globals['_PUSHREPLY_REJECTEDENTRY']._serialized_end=748
 # @@protoc_insertion_point(module_scope)

@@ -17,7 +17,12 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from router import errors
 from router.errors import APIError, error_response
 from router.openai_api import prepare_chat, prepare_completion, respond
-from router.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from router.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
 from router.state import RouterState
 
 logger = logging.getLogger("tandem.router")
@@ -36,12 +41,14 @@ def build_app(state: RouterState) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
-        prepared = state.admit(lambda: prepare_completion(state, body, request.state.request_id))
+        request_id = request.state.request_id
+        prepared = state.admit(lambda: prepare_completion(state, body, request_id), request_id)
         return await respond(state, prepared, body.stream)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
-        prepared = state.admit(lambda: prepare_chat(state, body, request.state.request_id))
+        request_id = request.state.request_id
+        prepared = state.admit(lambda: prepare_chat(state, body, request_id), request_id)
         return await respond(state, prepared, body.stream)
 
     @app.get("/v1/models")

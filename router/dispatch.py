@@ -9,6 +9,7 @@ cancels its prefill: nothing stays behind on any worker."""
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
@@ -19,6 +20,7 @@ from proto import worker_pb2 as pb
 from router.errors import APIError
 from router.policy import RouteRequest
 from router.prefix_index import PrefixIndex, RecentRoutes
+from router.request_trace import SequenceTrace
 from router.workers import Assignment, WorkerPool
 
 _RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN,
@@ -32,6 +34,7 @@ class Sequence:
     index: int  # choice index in the response
     prompt_index: int  # which prompt of the request
     request: pb.GenerateRequest  # prompt, params, request id; the prefill target is set per attempt
+    trace: SequenceTrace | None = None  # its route and workers (stage metrics, trace spans)
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +67,8 @@ class Dispatcher:
 
     async def stream(self, sequence: Sequence) -> AsyncIterator[pb.GenerateChunk]:
         tried: set[str] = set()
+        trace = sequence.trace or SequenceTrace()
+        trace.route_started = time.monotonic()
         route = await self.route(sequence.request)
         if self.index is not None and route.hits is None:
             self._on_decision("fallback")  # the index did not answer: routed by load
@@ -72,11 +77,13 @@ class Dispatcher:
             if assignment is None:
                 raise APIError(503, "no healthy worker is available; try again shortly",
                                headers={"Retry-After": "1"})
+            if attempt == 0:
+                trace.route_ended = time.monotonic()
             chosen = [assignment.decode.address] + ([assignment.prefill.address] if assignment.prefill else [])
             self.recent.remember(list(route.digests), chosen)
             started = False
             try:
-                async for chunk in self._attempt(sequence, assignment, route):
+                async for chunk in self._attempt(sequence, assignment, route, trace):
                     started = True
                     yield chunk
                 return
@@ -105,8 +112,8 @@ class Dispatcher:
         indexed = {address: n * reference.block_size for address, n in held.items()}
         return RouteRequest(num_prompt, hits, tuple(digests), indexed)
 
-    async def _attempt(self, sequence: Sequence, assignment: Assignment,
-                       route: RouteRequest) -> AsyncIterator[pb.GenerateChunk]:
+    async def _attempt(self, sequence: Sequence, assignment: Assignment, route: RouteRequest,
+                       trace: SequenceTrace) -> AsyncIterator[pb.GenerateChunk]:
         request = pb.GenerateRequest()
         request.CopyFrom(sequence.request)
         decode, prefill = assignment.decode, assignment.prefill
@@ -116,6 +123,8 @@ class Dispatcher:
         if missing <= self.local_prefill_max_tokens or request.params.HasField("prompt_logprobs"):
             prefill = None  # short, or needs prompt logprobs (computed only where the prompt is prefilled)
         self._on_decision("local" if prefill is None else "remote")
+        trace.attempts += 1
+        trace.decode, trace.prefill = decode.address, prefill.address if prefill else None
         if prefill is not None:
             request.prefill.address = prefill.address
             request.prefill.transport = self.kv_transport
@@ -123,7 +132,7 @@ class Dispatcher:
             prefill.prompt_tokens_in_flight += num_prompt
         decode.in_flight += 1
         self.active[request.request_id] = decode.address
-        call = self.pool.decode_stub(decode).Generate(request, metadata=self.pool.metadata)
+        call = self.pool.decode_stub(decode).Generate(request, metadata=self.pool.metadata + trace.metadata)
         prefilling = prefill is not None
         try:
             async for chunk in call:

@@ -79,7 +79,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             return prepare_completion(state, CompletionRequest.model_validate(body), request_id)
 
         try:
-            prepared = state.admit(prepare)
+            prepared = state.admit(prepare, request_id)
         except (APIError, ValidationError) as exc:
             message = exc.message if isinstance(exc, APIError) else validation_message(exc.errors())[0]
             status = exc.status if isinstance(exc, APIError) else 400
@@ -91,7 +91,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                     await context.abort(_CODES.get(item.error.status, grpc.StatusCode.INTERNAL), item.error.message)
                 choice = choices[item.sequence.index]
                 choice.add(item.chunk)
-                state.record_chunk(prepared, choice, len(item.chunk.token_ids))
+                state.record_chunk(prepared, choice, item.chunk)
                 yield pb.GenerationResponse(request_id=request_id, chunk=_chunk(choice.index, item.chunk))
             usage = usage_of(prepared, choices.values())
             final = pb.GenerationFinal(

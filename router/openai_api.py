@@ -15,6 +15,7 @@ from proto import worker_pb2 as pb
 from router.dispatch import Sequence, SequenceChunk
 from router.errors import APIError, sse_error
 from router.protocol import ChatCompletionRequest, CompletionRequest
+from router.request_trace import RequestTrace
 from router.state import RouterState
 
 
@@ -28,7 +29,8 @@ class _Prepared:
     prompt_texts: list[str]  # per prompt (for echo)
     sequences: list[Sequence]
     num_top_logprobs: int | None  # per generated token, when asked
-    started: float = field(default_factory=time.perf_counter)  # admission (latency metrics start here)
+    started: float = field(default_factory=time.monotonic)  # admission (latency metrics start here; set by admit)
+    trace: RequestTrace | None = None  # set by RouterState.admit
     echo: bool = False
     include_usage: bool = False
     continuous_usage: bool = False
@@ -45,7 +47,8 @@ class Choice:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
-    last_token_at: float | None = None  # perf_counter of its latest token (metrics)
+    first_token_at: float | None = None  # time.monotonic() of its first token (metrics, traces)
+    last_token_at: float | None = None  # ... and of its latest
 
     def add(self, chunk: pb.GenerateChunk) -> None:
         self.text += chunk.text_delta
@@ -134,7 +137,7 @@ async def respond(state: RouterState, prepared: _Prepared, stream: bool):
             if not isinstance(item, SequenceChunk):
                 raise item.error
             choices[item.sequence.index].add(item.chunk)
-            state.record_chunk(prepared, choices[item.sequence.index], len(item.chunk.token_ids))
+            state.record_chunk(prepared, choices[item.sequence.index], item.chunk)
     finally:
         state.finish_request(prepared, choices.values())
     body = {
@@ -172,7 +175,7 @@ async def _sse(state: RouterState, prepared: _Prepared) -> AsyncIterator[str]:
             choice = choices[item.sequence.index]
             first = not choice.token_ids and not choice.finish_reason
             choice.add(item.chunk)
-            state.record_chunk(prepared, choice, len(item.chunk.token_ids))
+            state.record_chunk(prepared, choice, item.chunk)
             event = _stream_choice(prepared, choice, item.chunk, first, echoed)
             payload = {"id": prepared.response_id, "created": created, "model": state.config.served_model_name,
                        "object": "text_completion" if prepared.kind == "completion" else "chat.completion.chunk",

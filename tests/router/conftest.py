@@ -12,6 +12,7 @@ import psutil
 import pytest
 
 from bench.launch import LaunchedServe
+from tests.otlp import HttpOTLPReceiver
 
 API_KEY = "test-api-key"
 
@@ -76,9 +77,18 @@ def start_server(model_dir, mode: str, *extra: str, api_key: str | None = None, 
 
 
 @pytest.fixture(scope="session")
-def disagg_server(smollm_dir):
-    """Every prompt through a prefill worker (the path under test), however short."""
-    server = start_server(smollm_dir, "disagg", "--local-prefill-max-tokens", "0")
+def otlp_receiver():
+    """Where disagg_server exports its traces (OTLP http/protobuf)."""
+    receiver = HttpOTLPReceiver()
+    yield receiver
+    receiver.stop()
+
+
+@pytest.fixture(scope="session")
+def disagg_server(smollm_dir, otlp_receiver):
+    """Every prompt through a prefill worker (the path under test), however short; traced."""
+    server = start_server(smollm_dir, "disagg", "--local-prefill-max-tokens", "0",
+                          "--otlp-endpoint", otlp_receiver.url, env={"OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf"})
     yield server
     server.stop()
 

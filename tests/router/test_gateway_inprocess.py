@@ -23,10 +23,10 @@ from tests.workers import SECRET, wait_until
 
 
 class Gateway:
-    def __init__(self, model_dir, decode_addresses: list[str]) -> None:
+    def __init__(self, model_dir, decode_addresses: list[str], tracing=None) -> None:
         self.pool = WorkerPool(decode_addresses, [], SECRET, RoundRobinPolicy(), poll_interval_s=0.2)
         self.pool.failures_to_drop = 1
-        state = RouterState(RouterConfig("tiny", 512), load_model_info(str(model_dir)), self.pool)
+        state = RouterState(RouterConfig("tiny", 512), load_model_info(str(model_dir)), self.pool, tracing=tracing)
         self.port = free_port()
         self.server = uvicorn.Server(uvicorn.Config(build_app(state), host="127.0.0.1", port=self.port,
                                                     log_level="warning"))
@@ -48,9 +48,9 @@ class Gateway:
         self._thread.join(30)
 
 
-def start_decode_worker(model_dir) -> DecodeWorker:
+def start_decode_worker(model_dir, tracing=None) -> DecodeWorker:
     engine = EngineArgs(model=str(model_dir), dtype="float32", num_kv_blocks=128, max_model_len=512, num_threads=1)
-    worker = DecodeWorker(DecodeWorkerConfig(engine, ServerConfig("127.0.0.1", 0, SECRET)))
+    worker = DecodeWorker(DecodeWorkerConfig(engine, ServerConfig("127.0.0.1", 0, SECRET), tracing=tracing))
     worker.start()
     return worker
 
@@ -76,3 +76,42 @@ def test_worker_dying_mid_stream_ends_the_stream_with_an_error_event(tiny_llama_
             assert refused.status_code == 503 and "no healthy worker" in refused.json()["error"]["message"]
     finally:
         worker.stop()
+
+
+def test_colocated_trace_with_content_over_grpc_otlp(tiny_llama_dir):
+    """--trace-content puts the prompt and output text on the request span; a prompt prefilled
+    on the decode worker has prefill_queue, prefill and decode spans there (gRPC OTLP)."""
+    from telemetry.tracing import ROUTER_SERVICE, Tracing, TracingConfig
+    from tests.otlp import GrpcOTLPReceiver
+
+    receiver = GrpcOTLPReceiver()
+    worker = start_decode_worker(tiny_llama_dir, TracingConfig(receiver.endpoint, "grpc"))
+    tracing = Tracing(ROUTER_SERVICE, TracingConfig(receiver.endpoint, "grpc", trace_content=True))
+    try:
+        with Gateway(tiny_llama_dir, [worker.address], tracing) as gateway:
+            wait_until(lambda: gateway.pool.is_ready, what="the worker to be polled")
+            answer = httpx.post(f"{gateway.url}/v1/completions", headers={"X-Request-Id": "content-1"}, timeout=60,
+                                json={"model": "tiny", "prompt": "hello world", "max_tokens": 6, "ignore_eos": True,
+                                      "temperature": 0}).json()
+            tracing.flush()
+            worker.tracing.flush()
+
+            def whole(r):
+                roots = [s for s in r.spans if s.attributes.get("tandem.request_id") == "content-1"
+                         and not s.parent_span_id]
+                spans = r.trace(roots[0].trace_id) if roots else []
+                return (roots[0], spans) if {"decode", "stream"} <= {s.name for s in spans} else None
+            root, spans = receiver.wait_for(whole, what="the request's trace")
+    finally:
+        worker.stop()
+        tracing.shutdown()
+        receiver.stop()
+    assert root.name == "text_completion tiny"
+    stages = sorted((s.name, s.service) for s in spans if s is not root)
+    assert stages == [("decode", "tandem-decode"), ("prefill", "tandem-decode"), ("prefill_queue", "tandem-decode"),
+                      ("route", "tandem-router"), ("stream", "tandem-router"), ("tokenize", "tandem-router")]
+    assert all(s.parent_span_id == root.span_id for s in spans if s is not root)
+    assert json.loads(root.attributes["gen_ai.input.messages"])[0]["parts"][0]["content"] == "hello world"
+    output = json.loads(root.attributes["gen_ai.output.messages"])[0]
+    assert output["parts"][0]["content"] == answer["choices"][0]["text"] and output["finish_reason"] == "length"
+    assert root.attributes["tandem.kv_bytes"] == 0 and root.attributes["tandem.prefill_workers"] == []

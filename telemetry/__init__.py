@@ -1,0 +1,1 @@
+"""OpenTelemetry tracing and Prometheus metrics shared by the router and the workers."""

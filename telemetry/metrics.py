@@ -1,0 +1,110 @@
+"""Prometheus metrics: the router's own (per request, per token, per stage) and the cluster's
+(every worker's last Stats, read at scrape time). Names as in DESIGN.md, histogram buckets
+as vLLM's, so that dashboards built for vLLM read these too. docs/observability.md explains
+each one."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+# DESIGN.md's stages, in the order a request meets them
+STAGES = ("tokenize", "route", "prefill_queue", "prefill", "kv_transfer", "decode_queue", "decode", "stream")
+WORKER_STAGES = ("prefill_queue", "prefill", "kv_transfer", "decode_queue", "decode")  # fields of StageTimes
+
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
+               80.0)
+REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+                           240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+
+class RouterMetrics:
+    """The router's metrics in one registry (``/metrics`` serves it)."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.running = Gauge("tandem:num_requests_running", "Requests in flight at the router", registry=registry)
+        self.prompt_tokens = Counter("tandem:prompt_tokens", "Prompt tokens of finished requests", registry=registry)
+        self.generation_tokens = Counter("tandem:generation_tokens", "Tokens generated for finished requests",
+                                         registry=registry)
+        self.finished = Counter("tandem:request_success", "Finished sequences by finish reason", ["finished_reason"],
+                                registry=registry)
+        self.e2e = Histogram("tandem:e2e_request_latency_seconds", "Arrival to the response's end, per request",
+                             buckets=REQUEST_LATENCY_BUCKETS, registry=registry)
+        self.ttft = Histogram("tandem:time_to_first_token_seconds", "Arrival to each choice's first token",
+                              buckets=TTFT_BUCKETS, registry=registry)
+        self.itl = Histogram("tandem:inter_token_latency_seconds", "Gap between a choice's consecutive tokens",
+                             buckets=ITL_BUCKETS, registry=registry)
+        self.queue_time = Histogram("tandem:request_queue_time_seconds", "Time a sequence waited in queues "
+                                    "(prefill_queue + decode_queue stages)", buckets=REQUEST_LATENCY_BUCKETS,
+                                    registry=registry)
+        self.stage = Histogram("tandem:stage_latency_seconds", "Time on the critical path per stage", ["stage"],
+                               buckets=TTFT_BUCKETS, registry=registry)
+        self.kv_transfer = Histogram("tandem:kv_transfer_seconds", "A remote prefill's KV transfer, first chunk "
+                                     "to last message landing on the decode worker (overlaps the prefill)",
+                                     buckets=TTFT_BUCKETS, registry=registry)
+        self.decisions = Counter("tandem:routing_decisions", "Dispatch decisions: remote or local prefill, "
+                                 "retry on another pair, fallback to load routing", ["decision"], registry=registry)
+
+
+class ClusterCollector:
+    """Each worker's last Stats: DESIGN.md's per-worker names (labels model_name, worker, role)
+    and every Stats field as ``tandem:worker_<field>{role,address}``. ``pool`` is the router's
+    WorkerPool (its ``decode`` and ``prefill`` lists of workers with ``stats``)."""
+
+    _FIELDS = ("num_free_kv_blocks", "num_kv_blocks", "num_running", "num_waiting", "num_waiting_for_remote_kv",
+               "num_prompt_tokens_computed", "num_generation_tokens", "kv_bytes_received", "kv_bytes_sent",
+               "num_kv_recomputed", "num_kv_failed", "max_num_running")
+
+    def __init__(self, pool, model_name: str) -> None:
+        self._pool = pool
+        self._model_name = model_name
+
+    def collect(self):
+        yield from self._cluster_metrics()
+        families = {name: GaugeMetricFamily(f"tandem:worker_{name}", f"worker Stats field {name}",
+                                            labels=["role", "address"]) for name in self._FIELDS}
+        healthy = GaugeMetricFamily("tandem:worker_healthy", "1 when the worker answered its last Stats",
+                                    labels=["role", "address"])
+        for worker in self._pool.decode + self._pool.prefill:
+            healthy.add_metric([worker.role, worker.address], 1.0 if worker.healthy else 0.0)
+            if worker.stats is not None:
+                for name, family in families.items():
+                    family.add_metric([worker.role, worker.address], float(getattr(worker.stats, name)))
+        yield healthy
+        yield from families.values()
+
+    def _cluster_metrics(self):
+        labels = ["model_name", "worker", "role"]
+        usage = GaugeMetricFamily("tandem:kv_cache_usage_perc", "Fraction of KV blocks in use (0-1)", labels=labels)
+        waiting = GaugeMetricFamily("tandem:num_requests_waiting", "Requests queued on the worker (incl. waiting "
+                                    "for remote KV)", labels=labels)
+        counters = {
+            "num_preemptions": CounterMetricFamily("tandem:num_preemptions", "Sequences preempted", labels=labels),
+            "prefix_cache_queried_tokens": CounterMetricFamily("tandem:prefix_cache_queries", "Prompt tokens looked "
+                                                               "up in the prefix cache", labels=labels),
+            "prefix_cache_hit_tokens": CounterMetricFamily("tandem:prefix_cache_hits", "Prompt tokens whose KV was "
+                                                           "reused", labels=labels),
+        }
+        transfer = CounterMetricFamily("tandem:kv_transfer_bytes", "KV bytes received (decode) or sent (prefill)",
+                                       labels=labels)
+        failures = CounterMetricFamily("tandem:kv_transfer_failures", "Remote prefills whose KV failed or came late "
+                                       "(then recomputed or failed by policy), per decode worker", labels=labels)
+        for worker in self._pool.decode + self._pool.prefill:
+            stats = worker.stats
+            if stats is None:
+                continue
+            values = [self._model_name, worker.address, worker.role]
+            usage.add_metric(values, 1 - stats.num_free_kv_blocks / stats.num_kv_blocks if stats.num_kv_blocks else 0)
+            waiting.add_metric(values, stats.num_waiting + stats.num_waiting_for_remote_kv)
+            for field, family in counters.items():
+                family.add_metric(values, getattr(stats, field))
+            transfer.add_metric(values, stats.kv_bytes_received if worker.role == "decode" else stats.kv_bytes_sent)
+            if worker.role == "decode":
+                failures.add_metric(values, stats.num_kv_recomputed + stats.num_kv_failed)
+        yield usage
+        yield waiting
+        yield from counters.values()
+        yield transfer
+        yield failures
