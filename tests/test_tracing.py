@@ -11,7 +11,15 @@ from opentelemetry import trace
 
 from engine.request import RequestTimes
 from telemetry.stages import decode_stage_times
-from telemetry.tracing import Tracing, TracingConfig, extract, inject, setup_tracing, tracing_config, unix_ns
+from telemetry.tracing import (
+    Tracing,
+    TracingConfig,
+    extract,
+    inject,
+    setup_tracing,
+    tracing_config,
+    unix_ns,
+)
 from tests.otlp import GrpcOTLPReceiver
 
 

@@ -16,7 +16,13 @@ from kv_transfer.worker_rpc import ServerConfig, params_to_proto
 from proto import worker_pb2 as pb
 from router.dispatch import Dispatcher, Sequence
 from router.errors import APIError
-from router.policy import LoadPolicy, RoundRobinPolicy, RouteRequest, WorkerView, make_policy
+from router.policy import (
+    LoadPolicy,
+    RoundRobinPolicy,
+    RouteRequest,
+    WorkerView,
+    make_policy,
+)
 from router.workers import WorkerPool
 from tests.workers import SECRET
 
