@@ -47,7 +47,19 @@ def random_prompts(num_prompts: int, seed: int, input_len: int = 128, output_len
     return [BenchRequest(_text(rng, around(input_len)), around(output_len), -1) for _ in range(num_prompts)]
 
 
-DATASETS = {"shared-prefix": shared_prefix, "random": random_prompts}
+def long_prompt(num_prompts: int, seed: int) -> list[BenchRequest]:
+    """Prefill-heavy: about 1k prompt tokens, 64 out (the workload where a prefill stalls a
+    colocated decode batch)."""
+    return random_prompts(num_prompts, seed, input_len=1000, output_len=64, range_ratio=0.05)
+
+
+def decode_heavy(num_prompts: int, seed: int) -> list[BenchRequest]:
+    """The control: short prompts, long outputs (about 32 in, 256 out)."""
+    return random_prompts(num_prompts, seed, input_len=32, output_len=256, range_ratio=0.1)
+
+
+DATASETS = {"shared-prefix": shared_prefix, "random": random_prompts, "long-prompt": long_prompt,
+            "decode-heavy": decode_heavy}
 
 
 def make_dataset(name: str, num_prompts: int, seed: int) -> list[BenchRequest]:

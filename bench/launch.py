@@ -64,3 +64,40 @@ class LaunchedServe:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+class LaunchedCommand:
+    """Any server as a child process: ready when ``health_url`` answers 200 (``with`` gives
+    ``base_url``); stopped with SIGTERM, then SIGKILL."""
+
+    def __init__(self, command: list[str], health_url: str, base_url: str, ready_timeout_s: float = 600.0,
+                 env: dict | None = None) -> None:
+        self.command, self.health_url, self.base_url = command, health_url, base_url
+        self.ready_timeout_s = ready_timeout_s
+        self.env = env
+        self.log: list[str] = []
+        self.process: subprocess.Popen | None = None
+
+    def start(self) -> str:
+        import httpx
+
+        self.process = subprocess.Popen(self.command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                                        env=self.env)
+        threading.Thread(target=lambda: self.log.extend(self.process.stderr), daemon=True).start()
+        deadline = time.monotonic() + self.ready_timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"{self.command[0]} exited with {self.process.returncode}:\n"
+                                   + "".join(self.log[-40:]))
+            try:
+                if httpx.get(self.health_url, timeout=2).status_code == 200:
+                    return self.base_url
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        self.stop()
+        raise RuntimeError(f"{self.command[0]} was not ready in time:\n" + "".join(self.log[-40:]))
+
+    stop = LaunchedServe.stop
+    __enter__ = LaunchedServe.__enter__
+    __exit__ = LaunchedServe.__exit__

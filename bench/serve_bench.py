@@ -6,7 +6,10 @@
 - E2E: request sent -> stream done.
 - goodput: requests per second that finished and met every SLO given (failures are misses).
 - prefix hit rate: usage.prompt_tokens_details.cached_tokens / usage.prompt_tokens, summed.
-Arrivals are Poisson (``burstiness`` 1) or gamma, or as fast as ``max_concurrency`` allows."""
+Arrivals are Poisson (``burstiness`` 1) or gamma, or as fast as ``max_concurrency`` allows.
+Every request asks for ``ignore_eos`` (fixed output lengths); a server that ignores the field
+shows up as requests that stopped short, counted and reported. A server that sends no usage
+has its output tokens counted as streamed events carrying text (reported too)."""
 
 from __future__ import annotations
 
@@ -14,10 +17,12 @@ import asyncio
 import json
 import random
 import statistics
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 
 import httpx
+from tqdm import tqdm
 
 from bench.datasets import BenchRequest
 
@@ -33,6 +38,9 @@ class RequestResult:
     output_tokens: int = 0
     cached_tokens: int = 0
     error: str = ""
+    requested_tokens: int = 0  # max_tokens (with ignore_eos, the length it should have)
+    finish_reason: str = ""
+    usage_reported: bool = False  # False: output_tokens counts streamed text events
 
     @property
     def tpot_s(self) -> float | None:
@@ -48,14 +56,18 @@ class LoadConfig:
     max_concurrency: int | None = None
     seed: int = 0
     api_key: str | None = None
+    ignore_eos: bool = True  # False for servers that refuse the field (see probe_ignore_eos)
 
 
 async def _one(client: httpx.AsyncClient, config: LoadConfig, request: BenchRequest, delay_s: float) -> RequestResult:
-    body = {"model": config.model, "prompt": request.prompt, "max_tokens": request.max_tokens, "ignore_eos": True,
-            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
-    result = RequestResult(ok=False, send_delay_s=delay_s)
+    body = {"model": config.model, "prompt": request.prompt, "max_tokens": request.max_tokens, "temperature": 0,
+            "stream": True, "stream_options": {"include_usage": True}}
+    if config.ignore_eos:
+        body["ignore_eos"] = True
+    result = RequestResult(ok=False, send_delay_s=delay_s, requested_tokens=request.max_tokens)
     start = time.perf_counter()
     last = None
+    text_events = 0
     try:
         async with client.stream("POST", f"{config.base_url}/completions", json=body) as response:
             if response.status_code != 200:
@@ -69,22 +81,43 @@ async def _one(client: httpx.AsyncClient, config: LoadConfig, request: BenchRequ
                     result.error = event["error"].get("message", "error event")
                     return result
                 now = time.perf_counter()
-                if event.get("choices") and event["choices"][0].get("text"):
+                choice = (event.get("choices") or [{}])[0]
+                if choice.get("text"):
                     if last is None:
                         result.ttft_s = now - start
                     else:
                         result.itl_s.append(now - last)
                     last = now
+                    text_events += 1
+                if choice.get("finish_reason"):
+                    result.finish_reason = choice["finish_reason"]
                 if event.get("usage"):
+                    result.usage_reported = True
                     usage = event["usage"]
                     result.prompt_tokens = usage["prompt_tokens"]
                     result.output_tokens = usage["completion_tokens"]
                     result.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
         result.e2e_s = time.perf_counter() - start
         result.ok = last is not None
+        if not result.usage_reported:
+            result.output_tokens = text_events
     except httpx.HTTPError as exc:
         result.error = f"{type(exc).__name__}: {exc}"
     return result
+
+
+def probe_ignore_eos(base_url: str, model: str, api_key: str | None = None) -> bool:
+    """Whether the server accepts vLLM's ``ignore_eos`` (some OpenAI-compatible servers refuse
+    unknown fields with a 4xx naming it; those are then run without it, and reported)."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    body = {"model": model, "prompt": "Hello", "max_tokens": 1, "ignore_eos": True}
+    response = httpx.post(f"{base_url}/completions", json=body, headers=headers, timeout=300)
+    if response.status_code == 200:
+        return True
+    if 400 <= response.status_code < 500 and "ignore_eos" in response.text:
+        return False
+    raise RuntimeError(f"{base_url} answered a one-token completion with HTTP {response.status_code}: "
+                       f"{response.text[:200]}")
 
 
 def _schedule(num: int, config: LoadConfig) -> list[float]:
@@ -100,20 +133,30 @@ def _schedule(num: int, config: LoadConfig) -> list[float]:
     return offsets
 
 
-async def run_load(config: LoadConfig, requests: list[BenchRequest]) -> tuple[list[RequestResult], float]:
-    """All requests on their schedule; returns the results (in dataset order) and the duration."""
+async def run_load(config: LoadConfig, requests: list[BenchRequest],
+                   progress: str | None = None) -> tuple[list[RequestResult], float]:
+    """All requests on their schedule; returns the results (in dataset order) and the duration.
+    ``progress``: a label for a progress bar on stderr (None: no bar)."""
     headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
     limit = asyncio.Semaphore(config.max_concurrency or len(requests) or 1)
     limits = httpx.Limits(max_connections=(config.max_concurrency or len(requests)) + 4)
+    bar = tqdm(total=len(requests), desc=progress, unit="req", file=sys.stderr, disable=progress is None,
+               leave=False)
     async with httpx.AsyncClient(timeout=600, headers=headers, limits=limits) as client:
         start = time.perf_counter()
 
         async def scheduled(request: BenchRequest, offset: float) -> RequestResult:
             await asyncio.sleep(max(0.0, start + offset - time.perf_counter()))
             async with limit:
-                return await _one(client, config, request, time.perf_counter() - start - offset)
+                result = await _one(client, config, request, time.perf_counter() - start - offset)
+            bar.update(1)
+            return result
 
-        results = await asyncio.gather(*(scheduled(r, o) for r, o in zip(requests, _schedule(len(requests), config))))
+        try:
+            results = await asyncio.gather(*(scheduled(r, o)
+                                             for r, o in zip(requests, _schedule(len(requests), config))))
+        finally:
+            bar.close()
         return list(results), time.perf_counter() - start
 
 
@@ -138,6 +181,7 @@ def summarize(results: list[RequestResult], duration_s: float, slo_ttft_ms: floa
             slo_tpot_ms is None or tpot is None or tpot * 1000 <= slo_tpot_ms)
 
     prompt_tokens = sum(r.prompt_tokens for r in done)
+    short = [r for r in done if r.output_tokens < r.requested_tokens]
     return {
         "num_requests": len(results), "completed": len(done), "failed": len(results) - len(done),
         "duration_s": duration_s,
@@ -151,6 +195,12 @@ def summarize(results: list[RequestResult], duration_s: float, slo_ttft_ms: floa
         "prefix_hit_rate": sum(r.cached_tokens for r in done) / prompt_tokens if prompt_tokens else 0.0,
         "max_send_delay_ms": max((r.send_delay_s for r in results), default=0.0) * 1000,
         "errors": sorted({r.error for r in results if r.error})[:5],
+        # ignore_eos honoured: every request produced exactly the tokens it asked for
+        "ignore_eos_honored": not short,
+        "num_stopped_short": len(short),
+        "usage_reported": all(r.usage_reported for r in done),
+        "samples_ms": {"ttft": [r.ttft_s * 1000 for r in done], "itl": [g * 1000 for r in done for g in r.itl_s],
+                       "e2e": [r.e2e_s * 1000 for r in done]},
     }
 
 
@@ -165,7 +215,11 @@ def render(label: str, summary: dict) -> str:
         f"generator at most {summary['max_send_delay_ms']:.0f} ms late",
         f"  TTFT ms mean/p50/p90/p99: {fmt(summary['ttft_ms'])}",
         f"  TPOT ms: {fmt(summary['tpot_ms'])}   ITL ms: {fmt(summary['itl_ms'])}   E2E ms: {fmt(summary['e2e_ms'])}",
-    ] + ([f"  errors: {summary['errors']}"] if summary["errors"] else []))
+    ] + ([f"  errors: {summary['errors']}"] if summary["errors"] else [])
+      + ([f"  note: ignore_eos not honoured: {summary['num_stopped_short']} requests stopped before max_tokens "
+          "(output lengths differ from the workload's)"] if not summary["ignore_eos_honored"] else [])
+      + (["  note: no usage in the stream: output tokens counted as streamed text events"]
+         if not summary["usage_reported"] else []))
 
 
 def to_json(summaries: dict[str, dict]) -> str:

@@ -89,16 +89,18 @@ def _cmd_bench_serve(args: argparse.Namespace) -> int:
     from bench.datasets import make_dataset
     from bench.launch import LaunchedServe
     from bench.serve_bench import (
-        LoadConfig, ceiling_hit_rate, render, run_load, summarize, to_json, worker_prompt_tokens_computed,
+        LoadConfig, ceiling_hit_rate, probe_ignore_eos, render, run_load, summarize, to_json,
+        worker_prompt_tokens_computed,
     )
 
     requests = make_dataset(args.dataset, args.num_prompts, args.seed)
 
-    def measure(base_url: str, label: str, prefill_side: bool = False) -> dict:
-        config = LoadConfig(base_url, args.model, args.request_rate, args.burstiness, args.max_concurrency,
-                            args.seed, args.api_key)
+    def measure(base_url: str, label: str, prefill_side: bool = False, rate: float | None = None) -> dict:
+        ignore_eos = probe_ignore_eos(base_url, args.model, args.api_key)
+        config = LoadConfig(base_url, args.model, args.request_rate if rate is None else rate, args.burstiness,
+                            args.max_concurrency, args.seed, args.api_key, ignore_eos)
         computed_before = worker_prompt_tokens_computed(base_url, "prefill") if prefill_side else 0.0
-        results, duration = asyncio.run(run_load(config, requests))
+        results, duration = asyncio.run(run_load(config, requests, progress=label))
         summary = summarize(results, duration, args.slo_ttft_ms, args.slo_tpot_ms)
         if args.dataset == "shared-prefix":
             summary["ceiling_hit_rate"] = ceiling_hit_rate(base_url, args.model, requests, api_key=args.api_key)
@@ -122,14 +124,30 @@ def _cmd_bench_serve(args: argparse.Namespace) -> int:
               f"usage hit rate {prefix['prefix_hit_rate']:.2f} vs {rr['prefix_hit_rate']:.2f}, "
               f"mean TTFT {prefix['ttft_ms']['mean']:.0f} vs {rr['ttft_ms']['mean']:.0f} ms, "
               f"p90 TTFT {prefix['ttft_ms']['p90']:.0f} vs {rr['ttft_ms']['p90']:.0f} ms")
+    elif args.base_url and args.sweep:
+        rates = [float(rate) for rate in args.sweep.split(",")]
+        summaries = {rate: measure(args.base_url.rstrip("/"), f"{rate:g} req/s", rate=rate) for rate in rates}
     elif args.base_url:
         summaries["server"] = measure(args.base_url.rstrip("/"), args.base_url)
     else:
         raise ValueError("give --base-url, or --compare-routing to launch tandem serve")
+    if args.plot_dir:
+        from bench import plots
+
+        named = {str(name): summary for name, summary in summaries.items()}
+        print(f"plots: {plots.latency_cdfs(named, f'{args.plot_dir}/latency_cdfs.png', args.dataset)}")
+        if args.sweep:
+            print(f"plots: {plots.sweep({'server': summaries}, f'{args.plot_dir}/sweep.png', args.dataset)}")
     if args.out:
         with open(args.out, "w") as handle:
             handle.write(to_json(summaries))
     return 0
+
+
+def _cmd_bench_compare(args: argparse.Namespace) -> int:
+    from bench.compare import run_compare
+
+    return run_compare(args)
 
 
 def _cmd_bench_routing(args: argparse.Namespace) -> int:
@@ -200,9 +218,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve = bench_cmds.add_parser("serve", help="load against an OpenAI-compatible server (vLLM's metrics)")
     serve.add_argument("--base-url", help="the server's URL ending in /v1 (not with --compare-routing)")
     serve.add_argument("--model", default=DEFAULT_MODEL)
-    serve.add_argument("--dataset", default="shared-prefix", choices=["shared-prefix", "random"])
+    serve.add_argument("--dataset", default="shared-prefix",
+                       choices=["shared-prefix", "random", "long-prompt", "decode-heavy"])
     serve.add_argument("--num-prompts", type=int, default=48)
     serve.add_argument("--request-rate", type=float, default=float("inf"))
+    serve.add_argument("--sweep", help="comma-separated request rates: one run each (instead of --request-rate)")
+    serve.add_argument("--plot-dir", help="write PNG plots here (latency CDFs; with --sweep, goodput and p99 ITL)")
     serve.add_argument("--burstiness", type=float, default=1.0)
     serve.add_argument("--max-concurrency", type=int, default=None)
     serve.add_argument("--seed", type=int, default=0)
@@ -215,6 +236,22 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--serve-args", default="--mode disagg --prefill-workers 2 --local-prefill-max-tokens 0",
                        help="extra flags for the launched tandem serve (with --compare-routing)")
     serve.set_defaults(func=_cmd_bench_serve)
+    compare = bench_cmds.add_parser("compare", help="one workload against tandem disagg, colocated and "
+                                    "transformers serve, side by side")
+    compare.add_argument("--model", default=DEFAULT_MODEL)
+    compare.add_argument("--dtype", default="float32")
+    compare.add_argument("--dataset", default="long-prompt",
+                         choices=["long-prompt", "decode-heavy", "random", "shared-prefix"])
+    compare.add_argument("--num-prompts", type=int, default=24, help="requests per rate")
+    compare.add_argument("--sweep", default="0.1,0.2,0.4", help="comma-separated request rates (Poisson)")
+    compare.add_argument("--seed", type=int, default=0)
+    compare.add_argument("--slo-tpot-ms", type=float, default=None, help="default: 3x the unloaded decode step")
+    compare.add_argument("--slo-ttft-ms", type=float, default=None)
+    compare.add_argument("--colocated-budgets", default="256",
+                         help="chunked-prefill token budgets to run colocated with (one contender each)")
+    compare.add_argument("--no-transformers", action="store_true", help="skip transformers serve")
+    compare.add_argument("--out-dir", default="bench-results", help="compare.json and the PNG plots")
+    compare.set_defaults(func=_cmd_bench_compare)
     router = bench_cmds.add_parser("router", help="per-token latency the HTTP gateway adds over direct gRPC")
     router.add_argument("--model", default=DEFAULT_MODEL)
     router.add_argument("--concurrency", default="1,32", help="comma-separated stream counts")

@@ -52,6 +52,8 @@ def add_serve_parser(commands) -> None:
     p.add_argument("--block-size", type=int, default=_env("BLOCK_SIZE", 16, int))
     p.add_argument("--num-kv-blocks", type=int, default=_env("NUM_KV_BLOCKS", None, int))
     p.add_argument("--max-num-seqs", type=int, default=_env("MAX_NUM_SEQS", 64, int))
+    p.add_argument("--max-num-batched-tokens", type=int, default=_env("MAX_NUM_BATCHED_TOKENS", 8192, int),
+                   help="tokens per forward pass: the chunked-prefill budget")
     p.add_argument("--max-queue", type=int, default=_env("MAX_QUEUE", 256, int), help="requests in flight before 429")
     p.add_argument("--kv-transport", choices=list(_TRANSPORTS), default=_env("KV_TRANSPORT", "grpc"))
     p.add_argument("--kv-failure-policy", choices=["recompute", "fail"], default=_env("KV_FAILURE_POLICY", "recompute"))
@@ -102,6 +104,7 @@ def run_serve(args: argparse.Namespace) -> int:
     max_model_len = resolve_max_model_len(info.arch, args.max_model_len)
     engine = EngineArgs(model=str(info.model_dir), dtype=args.dtype, max_model_len=max_model_len,
                         block_size=args.block_size, num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
+                        max_num_batched_tokens=args.max_num_batched_tokens,
                         num_threads=args.worker_threads, chat_template=chat_template,
                         served_model_name=args.served_model_name or args.model)
     num_prefill = args.prefill_workers if args.mode == "disagg" else 0

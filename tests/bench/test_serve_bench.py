@@ -40,11 +40,32 @@ async def completions(request: Request):
     return StreamingResponse(events(), media_type="text/event-stream")
 
 
+async def strict_completions(request: Request):
+    """A server like `transformers serve`: refuses fields it does not know, sends no usage."""
+    body = await request.json()
+    if "ignore_eos" in body:
+        return JSONResponse({"detail": "Unexpected fields in the request: {'ignore_eos'}"}, status_code=422)
+    if not body.get("stream"):
+        return JSONResponse({"choices": [{"index": 0, "text": "x", "finish_reason": "length"}]})
+
+    async def events():
+        await asyncio.sleep(FIRST_S)
+        for index in range(NUM_TOKENS - 1):  # stops at its EOS one token early
+            if index:
+                await asyncio.sleep(GAP_S)
+            finish = "stop" if index == NUM_TOKENS - 2 else None
+            yield f"data: {json.dumps({'choices': [{'index': 0, 'text': f't{index}', 'finish_reason': finish}]})}\n\n"
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(events(), media_type="text/event-stream")
+
+
 @pytest.fixture(scope="module")
 def scripted_server():
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(Starlette(routes=[Route("/v1/completions", completions, methods=["POST"])]),
-                                           host="127.0.0.1", port=port, log_level="warning"))
+    routes = [Route("/v1/completions", completions, methods=["POST"]),
+              Route("/strict/v1/completions", strict_completions, methods=["POST"])]
+    server = uvicorn.Server(uvicorn.Config(Starlette(routes=routes), host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     wait_until(lambda: server.started, what="the scripted server")
@@ -96,3 +117,67 @@ def test_cli_runs_against_a_server_and_writes_json(scripted_server, tmp_path, ca
     summary = json.loads(out.read_text())["server"]
     assert summary["completed"] == 3 and summary["ttft_ms"]["p50"] > 0
     assert "TTFT ms mean/p50/p90/p99" in capsys.readouterr().out
+
+
+def test_ignore_eos_and_missing_usage_are_detected_and_reported(scripted_server):
+    from bench.serve_bench import probe_ignore_eos, render
+
+    strict = scripted_server.replace("/v1", "/strict/v1")
+    assert probe_ignore_eos(scripted_server, "m") is True
+    assert probe_ignore_eos(strict, "m") is False
+    requests = [BenchRequest("hello", NUM_TOKENS, -1)] * 2
+    results, duration = asyncio.run(run_load(LoadConfig(strict, "m", ignore_eos=False), requests))
+    summary = summarize(results, duration)
+    assert summary["completed"] == 2 and not summary["usage_reported"]
+    assert [r.output_tokens for r in results] == [NUM_TOKENS - 1] * 2  # counted from the stream
+    assert [r.finish_reason for r in results] == ["stop", "stop"]
+    assert not summary["ignore_eos_honored"] and summary["num_stopped_short"] == 2
+    text = render("strict", summary)
+    assert "ignore_eos not honoured: 2 requests" in text and "no usage in the stream" in text
+    # the honest server: every request ran to its max_tokens
+    results, duration = asyncio.run(run_load(LoadConfig(scripted_server, "m"), requests))
+    honest = summarize(results, duration)
+    assert honest["ignore_eos_honored"] and honest["usage_reported"] and results[0].finish_reason == ""
+
+
+def test_long_prompt_and_decode_heavy_datasets():
+    long, heavy = make_dataset("long-prompt", 8, seed=5), make_dataset("decode-heavy", 8, seed=5)
+    assert long == make_dataset("long-prompt", 8, seed=5)
+    assert all(950 <= len(r.prompt.split()) <= 1050 and 60 <= r.max_tokens <= 68 for r in long)
+    assert all(28 <= len(r.prompt.split()) <= 36 and 230 <= r.max_tokens <= 282 for r in heavy)
+    assert len({r.prompt.split()[0:8].__str__() for r in long}) == 8  # no shared prefixes
+
+
+def test_sweep_writes_plots_and_per_rate_json(scripted_server, tmp_path):
+    from cluster.cli import main
+
+    out, plots = tmp_path / "sweep.json", tmp_path / "plots"
+    assert main(["bench", "serve", "--base-url", scripted_server, "--model", "m", "--dataset", "random",
+                 "--num-prompts", "2", "--sweep", "5,10", "--out", str(out), "--plot-dir", str(plots)]) == 0
+    by_rate = json.loads(out.read_text())
+    assert sorted(by_rate) == ["10.0", "5.0"] and all(s["completed"] == 2 for s in by_rate.values())
+    for name in ("latency_cdfs.png", "sweep.png"):
+        data = (plots / name).read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+
+
+def test_compare_calibrates_the_slo_and_ranks_servers(scripted_server):
+    """Two scripted contenders: the TPOT SLO is 3x the measured unloaded step (the script's
+    200 ms gap), and the table's ratios come from the goodputs measured."""
+    from contextlib import nullcontext
+
+    from bench.compare import Contender, compare, table
+
+    honest = Contender("a", "scripted", [], lambda: nullcontext(scripted_server), "m")
+    strict = Contender("b", "scripted, strict", [], lambda: nullcontext(scripted_server.replace("/v1", "/strict/v1")),
+                       "m")
+    requests = [BenchRequest("hello", NUM_TOKENS, -1)] * 2
+    result = compare([honest, strict], requests, [5.0], seed=0, slo_tpot_ms=None, slo_ttft_ms=None,
+                     say=lambda line: None)
+    assert result.unloaded_step_ms == pytest.approx(GAP_S * 1000, abs=60)
+    assert result.slo_tpot_ms == pytest.approx(3 * result.unloaded_step_ms)
+    assert result.notes == {"a": [], "b": ["refuses ignore_eos: output lengths vary"]}
+    a, b = result.runs["a"][5.0], result.runs["b"][5.0]
+    assert a["completed"] == b["completed"] == 2 and a["goodput"] > 0 and b["goodput"] > 0
+    rendered = table(result, "a")
+    assert "| a | 5 |" in rendered and f"{a['goodput'] / b['goodput']:.2f}x" in rendered
