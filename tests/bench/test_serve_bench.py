@@ -181,3 +181,20 @@ def test_compare_calibrates_the_slo_and_ranks_servers(scripted_server):
     assert a["completed"] == b["completed"] == 2 and a["goodput"] > 0 and b["goodput"] > 0
     rendered = table(result, "a")
     assert "| a | 5 |" in rendered and f"{a['goodput'] / b['goodput']:.2f}x" in rendered
+
+
+def test_transformers_serve_contender_runs_the_workload(smollm_dir):
+    """The real `transformers serve --continuous-batching` as bench compare starts it: it
+    refuses ignore_eos (detected) and serves the same weights tandem converted."""
+    from bench.compare import transformers_contender
+    from bench.serve_bench import probe_ignore_eos
+
+    contender = transformers_contender(str(smollm_dir), "float32", threads=1)
+    with contender.launch() as base_url:
+        assert probe_ignore_eos(base_url, contender.model) is False
+        requests = make_dataset("random", 2, seed=0)
+        results, duration = asyncio.run(run_load(LoadConfig(base_url, contender.model, ignore_eos=False),
+                                                 [BenchRequest(r.prompt[:200], 8, -1) for r in requests]))
+    summary = summarize(results, duration)
+    assert summary["completed"] == 2, summary["errors"]
+    assert summary["usage_reported"] and all(0 < r.output_tokens <= 8 for r in results)
