@@ -154,7 +154,10 @@ def run_compare(args) -> int:
     result = compare(contenders, requests, rates, args.seed, args.slo_tpot_ms, args.slo_ttft_ms)
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    print(f"\n{args.dataset}, {args.num_prompts} requests per rate, Poisson arrivals, seed {args.seed}; "
+    from bench.machine import describe
+
+    print(f"\n{describe()}\n{args.dataset}, {args.num_prompts} requests per rate, Poisson arrivals, "
+          f"seed {args.seed}; "
           f"TPOT SLO {result.slo_tpot_ms:.1f} ms (3x the unloaded decode step {result.unloaded_step_ms:.1f} ms)"
           + (f", TTFT SLO {result.slo_ttft_ms:.0f} ms" if result.slo_ttft_ms else ""))
     print(table(result, "disagg"))
@@ -162,7 +165,8 @@ def run_compare(args) -> int:
         for note in notes:
             print(f"note: {name} {note}")
     (out / "compare.json").write_text(json.dumps({
-        "dataset": args.dataset, "num_prompts": args.num_prompts, "seed": args.seed, "rates": rates,
+        "machine": describe(), "dataset": args.dataset, "num_prompts": args.num_prompts, "seed": args.seed,
+        "rates": rates,
         "slo_tpot_ms": result.slo_tpot_ms, "slo_ttft_ms": result.slo_ttft_ms,
         "unloaded_step_ms": result.unloaded_step_ms, "descriptions": result.descriptions, "notes": result.notes,
         "runs": {name: {str(rate): s for rate, s in by_rate.items()} for name, by_rate in result.runs.items()},

@@ -9,14 +9,12 @@ is the time its own matmul kernels take to read those weights (the "matmul ceili
 from __future__ import annotations
 
 import json
-import platform
-import sys
 import time
 from dataclasses import asdict, dataclass, field
 
 import torch
 
-from bench.machine import read_bandwidth
+from bench.machine import describe, read_bandwidth
 
 
 @dataclass(frozen=True, slots=True)
@@ -206,13 +204,7 @@ def run_engine_bench(cfg: EngineBenchConfig, log=print) -> EngineBenchResult:
 
 
 def _machine() -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as handle:
-            cpu = next(line.split(":", 1)[1].strip() for line in handle if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return f"{cpu}, torch {torch.__version__}, {sys.platform}"
+    return describe()
 
 
 def _fmt(value: float | None, spec: str) -> str:

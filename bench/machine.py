@@ -2,9 +2,23 @@
 
 from __future__ import annotations
 
+import os
+import platform
+import sys
 import time
 
 import torch
+
+
+def describe() -> str:
+    """CPU model, core count, torch version and OS, for a benchmark's header."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as handle:
+            cpu = next(line.split(":", 1)[1].strip() for line in handle if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return f"{cpu} ({os.cpu_count()} cores), torch {torch.__version__}, {sys.platform}"
 
 
 def read_bandwidth(num_bytes: int = 1 << 30, repeats: int = 5) -> float:

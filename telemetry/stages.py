@@ -54,7 +54,8 @@ def decode_spans(tracing: Tracing, parent, received: float, prefill_sent: float 
         tracing.span_at("kv_transfer", parent, unix_ns(landed - stages.kv_transfer), unix_ns(landed),
                         {**attributes, "tandem.kv_bytes": stages.kv_bytes,
                          "tandem.kv_transfer_total_s": stages.kv_transfer_total})
-        tracing.span_at("decode_queue", parent, unix_ns(landed), unix_ns(joined), {**attributes, "tandem.queue": "join"})
+        tracing.span_at("decode_queue", parent, unix_ns(landed), unix_ns(joined),
+                        {**attributes, "tandem.queue": "join"})
         tracing.span_at("decode", parent, unix_ns(joined), unix_ns(finished), attributes, error)
         return
     scheduled = received + stages.prefill_queue
