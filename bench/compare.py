@@ -5,7 +5,8 @@ Contenders: `tandem serve --mode disagg` (one prefill and one decode worker, one
 `tandem serve --mode colocated` (one worker, two threads, chunked prefill at each token budget
 given), and Hugging Face `transformers serve --continuous-batching` on the same weights (the
 HF directory tandem converted from the GGUF) and dtype. The TPOT SLO defaults to 3x the
-unloaded decode step of the disaggregated decode worker, measured first in the same run.
+unloaded decode step of the disaggregated server, measured first in the same run with three
+requests of the same workload sent one at a time.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.datasets import BenchRequest, make_dataset, random_prompts
+from bench.datasets import BenchRequest, make_dataset
 from bench.launch import LaunchedCommand, LaunchedServe, free_port
 from bench.serve_bench import LoadConfig, probe_ignore_eos, run_load, summarize
 
@@ -50,10 +51,41 @@ def transformers_contender(hf_dir: str, dtype: str, threads: int) -> Contender:
                      lambda: launched, hf_dir)
 
 
-def unloaded_decode_step_ms(base_url: str, model: str, rounds: int = 3) -> float:
-    """Median TPOT of requests sent one at a time (short prompt, 64 tokens): the decode step
-    with nothing else running."""
-    requests = random_prompts(rounds, seed=12345, input_len=16, output_len=64, range_ratio=0.0)
+def stage_totals(base_url: str) -> dict[str, tuple[float, float]] | None:
+    """tandem's ``tandem:stage_latency_seconds`` (sum, count) per stage from /metrics; None for
+    a server without them."""
+    import httpx
+
+    try:
+        text = httpx.get(base_url.removesuffix("/v1") + "/metrics", timeout=10).text
+    except httpx.HTTPError:
+        return None
+    totals: dict[str, list[float]] = {}
+    for line in text.splitlines():
+        for suffix, slot in (("_sum{", 0), ("_count{", 1)):
+            if line.startswith("tandem:stage_latency_seconds" + suffix):
+                stage = line.split('stage="', 1)[1].split('"', 1)[0]
+                totals.setdefault(stage, [0.0, 0.0])[slot] = float(line.rsplit(" ", 1)[1])
+    return {stage: (s, c) for stage, (s, c) in totals.items()} or None
+
+
+def stage_means_ms(before, after) -> dict[str, float] | None:
+    """Mean milliseconds per stage over what happened between two ``stage_totals``."""
+    if not after:
+        return None
+    before = before or {}
+    means = {}
+    for stage, (total, count) in after.items():
+        total0, count0 = before.get(stage, (0.0, 0.0))
+        if count > count0:
+            means[stage] = (total - total0) / (count - count0) * 1000
+    return means
+
+
+def unloaded_decode_step_ms(base_url: str, model: str, requests: list[BenchRequest]) -> float:
+    """Median TPOT of ``requests`` sent one at a time: the decode step with nothing else
+    running, at the workload's own context lengths (a 1k-token context makes each step read
+    that much more KV than a short one)."""
     results, _ = asyncio.run(run_load(LoadConfig(base_url, model, max_concurrency=1), requests))
     tpots = [r.tpot_s * 1000 for r in results if r.ok and r.tpot_s is not None]
     if not tpots:
@@ -71,10 +103,13 @@ class CompareResult:
     notes: dict[str, list[str]]
 
 
-def compare(contenders: list[Contender], requests: list[BenchRequest], rates: list[float], seed: int,
-            slo_tpot_ms: float | None, slo_ttft_ms: float | None, say=print) -> CompareResult:
-    """Each contender in turn: start it, warm it up, run the workload at every rate, stop it.
-    The first contender also calibrates the TPOT SLO when none is given."""
+def compare(contenders: list[Contender], workloads: list[list[BenchRequest]], rates: list[float], seed: int,
+            slo_tpot_ms: float | None, slo_ttft_ms: float | None, calibration: list[BenchRequest],
+            say=print) -> CompareResult:
+    """Each contender in turn: start it, run ``workloads[i]`` at ``rates[i]`` for every i, stop
+    it. Each rate has its own prompts (else a later rate would hit the prefix cache the
+    earlier one filled), the same for every contender. The first contender also calibrates
+    the TPOT SLO when none is given."""
     runs: dict[str, dict[float, dict]] = {}
     notes: dict[str, list[str]] = {}
     unloaded = 0.0
@@ -84,23 +119,28 @@ def compare(contenders: list[Contender], requests: list[BenchRequest], rates: li
             ignore_eos = probe_ignore_eos(base_url, contender.model)
             notes[contender.name] = [] if ignore_eos else ["refuses ignore_eos: output lengths vary"]
             if index == 0:
-                unloaded = unloaded_decode_step_ms(base_url, contender.model)
+                unloaded = unloaded_decode_step_ms(base_url, contender.model, calibration)
                 slo_tpot_ms = slo_tpot_ms or 3 * unloaded
                 say(f"unloaded decode step {unloaded:.1f} ms -> TPOT SLO {slo_tpot_ms:.1f} ms")
             runs[contender.name] = {}
-            for rate in rates:
+            for rate, requests in zip(rates, workloads, strict=True):
                 config = LoadConfig(base_url, contender.model, rate, seed=seed, ignore_eos=ignore_eos)
+                stages_before = stage_totals(base_url)
                 results, duration = asyncio.run(run_load(config, requests, progress=f"{contender.name} @ {rate}/s"))
                 summary = summarize(results, duration, slo_ttft_ms, slo_tpot_ms)
+                summary["stages_ms"] = stage_means_ms(stages_before, stage_totals(base_url))
                 runs[contender.name][rate] = summary
                 say(_line(contender.name, rate, summary))
     return CompareResult(slo_tpot_ms, slo_ttft_ms, unloaded, runs, {c.name: c.description for c in contenders}, notes)
 
 
 def _line(name: str, rate: float, s: dict) -> str:
+    stages = s.get("stages_ms")
+    where = ("\n" + " " * 16 + "mean per stage: " + ", ".join(f"{k} {v:.0f} ms" for k, v in stages.items())
+             if stages else "")
     return (f"{name:>14} @ {rate:g} req/s: goodput {s['goodput']:.3f} req/s, p99 ITL {_ms(s['itl_ms']['p99'])}, "
             f"p90 TTFT {_ms(s['ttft_ms']['p90'])}, {s['output_token_throughput']:.1f} tok/s, "
-            f"{s['completed']}/{s['num_requests']} ok")
+            f"{s['completed']}/{s['num_requests']} ok{where}")
 
 
 def _ms(value) -> str:
@@ -147,17 +187,18 @@ def run_compare(args) -> int:
     from engine.model_info import load_model_info
 
     hf_dir = str(load_model_info(args.model).model_dir)
-    requests = make_dataset(args.dataset, args.num_prompts, args.seed)
     rates = [float(r) for r in args.sweep.split(",")]
+    workloads = [make_dataset(args.dataset, args.num_prompts, args.seed + i) for i in range(len(rates))]
     budgets = [int(b) for b in args.colocated_budgets.split(",")]
     contenders = default_contenders(args.model, hf_dir, args.dtype, budgets, not args.no_transformers)
-    result = compare(contenders, requests, rates, args.seed, args.slo_tpot_ms, args.slo_ttft_ms)
+    calibration = make_dataset(args.dataset, 3, args.seed + 1000)  # prompts of their own, same shape
+    result = compare(contenders, workloads, rates, args.seed, args.slo_tpot_ms, args.slo_ttft_ms, calibration)
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     from bench.machine import describe
 
-    print(f"\n{describe()}\n{args.dataset}, {args.num_prompts} requests per rate, Poisson arrivals, "
-          f"seed {args.seed}; "
+    print(f"\n{describe()}\n{args.dataset}, {args.num_prompts} requests per rate (fresh prompts at each rate), "
+          f"Poisson arrivals, seed {args.seed}; "
           f"TPOT SLO {result.slo_tpot_ms:.1f} ms (3x the unloaded decode step {result.unloaded_step_ms:.1f} ms)"
           + (f", TTFT SLO {result.slo_ttft_ms:.0f} ms" if result.slo_ttft_ms else ""))
     print(table(result, "disagg"))

@@ -41,7 +41,8 @@ def sweep(servers: dict[str, dict[float, dict]], path: str | Path, title: str = 
         goodput.plot(rates, [by_rate[r]["goodput"] for r in rates], marker="o", label=name)
         itl.plot(rates, [by_rate[r]["itl_ms"]["p99"] or float("nan") for r in rates], marker="o", label=name)
     goodput.set_ylabel("goodput (requests/s within the SLOs)")
-    itl.set_ylabel("p99 inter-token latency (ms)")
+    itl.set_ylabel("p99 inter-token latency (ms, log scale)")
+    itl.set_yscale("log")
     for axis in (goodput, itl):
         axis.set_xlabel("request rate (requests/s)")
         axis.grid(True, alpha=0.3)

@@ -188,6 +188,7 @@ def summarize(results: list[RequestResult], duration_s: float, slo_ttft_ms: floa
         "request_throughput": len(done) / duration_s if duration_s else 0.0,
         "output_token_throughput": sum(r.output_tokens for r in done) / duration_s if duration_s else 0.0,
         "goodput": sum(meets_slo(r) for r in results) / duration_s if duration_s else 0.0,
+        "slo_attainment": sum(meets_slo(r) for r in results) / len(results) if results else 0.0,
         "ttft_ms": _stats_ms([r.ttft_s for r in done]),
         "tpot_ms": _stats_ms([r.tpot_s for r in done if r.tpot_s is not None]),
         "itl_ms": _stats_ms([gap for r in done for gap in r.itl_s]),
@@ -200,6 +201,7 @@ def summarize(results: list[RequestResult], duration_s: float, slo_ttft_ms: floa
         "num_stopped_short": len(short),
         "usage_reported": all(r.usage_reported for r in done),
         "samples_ms": {"ttft": [r.ttft_s * 1000 for r in done], "itl": [g * 1000 for r in done for g in r.itl_s],
+                       "tpot": [r.tpot_s * 1000 for r in done if r.tpot_s is not None],
                        "e2e": [r.e2e_s * 1000 for r in done]},
     }
 
@@ -211,7 +213,8 @@ def render(label: str, summary: dict) -> str:
     return "\n".join([
         f"{label}: {summary['completed']}/{summary['num_requests']} ok in {summary['duration_s']:.1f} s, "
         f"{summary['request_throughput']:.2f} req/s, {summary['output_token_throughput']:.1f} tok/s, "
-        f"goodput {summary['goodput']:.2f} req/s, prefix hit rate {summary['prefix_hit_rate']:.2f}, "
+        f"goodput {summary['goodput']:.2f} req/s (SLOs met by {summary['slo_attainment']:.0%}), "
+        f"prefix hit rate {summary['prefix_hit_rate']:.2f}, "
         f"generator at most {summary['max_send_delay_ms']:.0f} ms late",
         f"  TTFT ms mean/p50/p90/p99: {fmt(summary['ttft_ms'])}",
         f"  TPOT ms: {fmt(summary['tpot_ms'])}   ITL ms: {fmt(summary['itl_ms'])}   E2E ms: {fmt(summary['e2e_ms'])}",

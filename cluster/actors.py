@@ -32,8 +32,10 @@ class WorkerActor:
     """The Ray actor around one worker. Ray pickles only what its own control plane carries
     (the config at construction, small replies); requests and KV go over the worker's gRPC."""
 
-    def __init__(self, role: str, config: PrefillWorkerConfig | DecodeWorkerConfig) -> None:
+    def __init__(self, role: str, config: PrefillWorkerConfig | DecodeWorkerConfig, nice: int = 0) -> None:
         self.role = role
+        if nice > 0:  # below decode workers and the router where they share CPUs (lowering needs no privilege)
+            os.nice(nice)
         if not config.server.host:  # serve on this node's address, wherever Ray placed us
             config = replace(config, server=replace(config.server, host=ray.util.get_node_ip_address()))
         self.worker = PrefillWorker(config) if role == "prefill" else DecodeWorker(config)
@@ -94,6 +96,7 @@ class Placement:
     num_cpus: float = 0.5  # Ray's CPU accounting only; threads are pinned by EngineArgs.num_threads
     max_restarts: int = 3
     ready_timeout_s: float = 180.0
+    nice: int = 0  # Unix niceness of the worker's process (0: unchanged)
 
 
 def _forwarded_env() -> dict[str, str]:
@@ -111,7 +114,7 @@ def launch_worker(role: str, config, placement: Placement = Placement(), name: s
     actor = ray.remote(WorkerActor).options(
         num_cpus=placement.num_cpus, resources={role: 1}, max_restarts=placement.max_restarts,
         max_task_retries=0, name=name, runtime_env={"env_vars": env} if env else None,
-    ).remote(role, config)
+    ).remote(role, config, placement.nice)
     try:
         address = _wait_ready(role, actor, placement.ready_timeout_s)
     except WorkerStartupError:

@@ -95,7 +95,8 @@ def _cmd_bench_serve(args: argparse.Namespace) -> int:
 
     requests = make_dataset(args.dataset, args.num_prompts, args.seed)
 
-    def measure(base_url: str, label: str, prefill_side: bool = False, rate: float | None = None) -> dict:
+    def measure(base_url: str, label: str, prefill_side: bool = False, rate: float | None = None,
+                requests: list = requests) -> dict:
         ignore_eos = probe_ignore_eos(base_url, args.model, args.api_key)
         config = LoadConfig(base_url, args.model, args.request_rate if rate is None else rate, args.burstiness,
                             args.max_concurrency, args.seed, args.api_key, ignore_eos)
@@ -126,7 +127,10 @@ def _cmd_bench_serve(args: argparse.Namespace) -> int:
               f"p90 TTFT {prefix['ttft_ms']['p90']:.0f} vs {rr['ttft_ms']['p90']:.0f} ms")
     elif args.base_url and args.sweep:
         rates = [float(rate) for rate in args.sweep.split(",")]
-        summaries = {rate: measure(args.base_url.rstrip("/"), f"{rate:g} req/s", rate=rate) for rate in rates}
+        # fresh prompts at each rate: a later rate must not hit the prefix cache an earlier one filled
+        summaries = {rate: measure(args.base_url.rstrip("/"), f"{rate:g} req/s", rate=rate,
+                                   requests=make_dataset(args.dataset, args.num_prompts, args.seed + i))
+                     for i, rate in enumerate(rates)}
     elif args.base_url:
         summaries["server"] = measure(args.base_url.rstrip("/"), args.base_url)
     else:

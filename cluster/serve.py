@@ -16,6 +16,7 @@ import secrets
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 
 from engine.remote_kv import KVFailurePolicy
 
@@ -66,6 +67,9 @@ def add_serve_parser(commands) -> None:
     p.add_argument("--drain-timeout", type=float, default=_env("DRAIN_TIMEOUT", 30.0, float))
     p.add_argument("--ready-timeout", type=float, default=_env("READY_TIMEOUT", 600.0, float),
                    help="seconds each worker may take to start")
+    p.add_argument("--prefill-nice", type=int, default=_env("PREFILL_NICE", 10, int),
+                   help="Unix niceness of prefill workers: where they share CPUs with decode workers and the "
+                        "router, decode steps win (0: same priority)")
     p.add_argument("--otlp-endpoint", default=_env("OTLP_ENDPOINT", None),
                    help="export traces over OTLP here (also: the OTEL_EXPORTER_OTLP_* variables); default: off")
     p.add_argument("--trace-content", action="store_true", default=_env("TRACE_CONTENT", False, _flag),
@@ -110,6 +114,10 @@ def run_serve(args: argparse.Namespace) -> int:
     num_prefill = args.prefill_workers if args.mode == "disagg" else 0
     started_ray = not args.ray_address
     if started_ray:
+        # Ray starts its workers at niceness 15 by default: below the router and every other
+        # process, so a busy machine preempts decode steps first. Ours run at 0 (prefill
+        # workers then lower themselves by --prefill-nice).
+        os.environ.setdefault("RAY_worker_niceness", "0")
         init_ray(num_cpus=os.cpu_count(), resources={"prefill": max(num_prefill, 1), "decode": args.decode_workers},
                  include_dashboard=False, logging_level="warning")
     else:
@@ -151,6 +159,7 @@ def _launch(engine, args, num_prefill: int, secret: str, handles: list) -> None:
     server = ServerConfig("", args.worker_port, secret)
     policy = KVFailurePolicy(args.kv_failure_policy)
     placement = Placement(ready_timeout_s=args.ready_timeout)
+    prefill_placement = replace(placement, nice=max(0, args.prefill_nice))
     index = PrefixIndexConfig(args.redis_url)
     jobs = [("prefill", PrefillWorkerConfig(engine, server, prefix_index=index, tracing=args.tracing))] * num_prefill
     jobs += [("decode", DecodeWorkerConfig(engine, server, prefix_index=index, kv_failure_policy=policy,
@@ -159,7 +168,8 @@ def _launch(engine, args, num_prefill: int, secret: str, handles: list) -> None:
          f"({args.worker_threads} threads each)")
     start = time.monotonic()
     with ThreadPoolExecutor(len(jobs)) as pool:
-        pending = [pool.submit(launch_worker, role, config, placement) for role, config in jobs]
+        pending = [pool.submit(launch_worker, role, config, prefill_placement if role == "prefill" else placement)
+                   for role, config in jobs]
     errors = []
     for future in pending:
         if future.exception() is not None:

@@ -86,6 +86,7 @@ def test_metrics_equal_the_scripted_timings(scripted_server):
     (ok,) = [r for r in results if r.ok]
     assert len(ok.itl_s) == NUM_TOKENS - 1 and ok.tpot_s == pytest.approx((ok.e2e_s - ok.ttft_s) / (NUM_TOKENS - 1))
     assert summary["goodput"] == pytest.approx(1 / duration)  # the failed request is a miss
+    assert summary["slo_attainment"] == 0.5
     assert summary["prefix_hit_rate"] == pytest.approx(3 / 7)
     strict = summarize(results, duration, slo_ttft_ms=FIRST_S * 1000 / 2)
     assert strict["goodput"] == 0.0  # nobody meets a TTFT SLO of half the scripted first token
@@ -172,7 +173,8 @@ def test_compare_calibrates_the_slo_and_ranks_servers(scripted_server):
     strict = Contender("b", "scripted, strict", [], lambda: nullcontext(scripted_server.replace("/v1", "/strict/v1")),
                        "m")
     requests = [BenchRequest("hello", NUM_TOKENS, -1)] * 2
-    result = compare([honest, strict], requests, [5.0], seed=0, slo_tpot_ms=None, slo_ttft_ms=None,
+    result = compare([honest, strict], [requests], [5.0], seed=0, slo_tpot_ms=None, slo_ttft_ms=None,
+                     calibration=requests,
                      say=lambda line: None)
     assert result.unloaded_step_ms == pytest.approx(GAP_S * 1000, abs=60)
     assert result.slo_tpot_ms == pytest.approx(3 * result.unloaded_step_ms)
@@ -198,3 +200,13 @@ def test_transformers_serve_contender_runs_the_workload(smollm_dir):
     summary = summarize(results, duration)
     assert summary["completed"] == 2, summary["errors"]
     assert summary["usage_reported"] and all(0 < r.output_tokens <= 8 for r in results)
+
+
+def test_stage_means_come_from_the_metrics_delta():
+    from bench.compare import stage_means_ms
+
+    before = {"prefill": (2.0, 4.0), "decode": (10.0, 4.0)}
+    after = {"prefill": (5.0, 6.0), "decode": (10.0, 4.0), "kv_transfer": (0.03, 2.0)}
+    assert stage_means_ms(before, after) == pytest.approx({"prefill": 1500.0, "kv_transfer": 15.0})
+    assert stage_means_ms(None, after)["prefill"] == pytest.approx(5000 / 6)
+    assert stage_means_ms(before, None) is None

@@ -142,9 +142,15 @@ def test_grafana_dashboard_queries_metrics_the_server_exposes(disagg_server):
     exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", ())]
     assert len(exprs) >= 15
     client(disagg_server).completions.create(model="smollm2-135m-instruct", prompt="[dashboard] Hi", max_tokens=2)
-    served = set(re.findall(r"^(tandem:[a-z0-9_]+)[{ ]", httpx.get(f"{disagg_server.base_url}/metrics", timeout=10).text,
-                            re.M))
+    text = httpx.get(f"{disagg_server.base_url}/metrics", timeout=10).text
+    served = set(re.findall(r"^(tandem:[a-z0-9_]+)[{ ]", text, re.M))
     queried = {name for expr in exprs for name in re.findall(r"tandem:[a-z0-9_]+", expr)}
     assert queried - served == set()
     for stage in STAGES:  # the stage panels show every stage
         assert f'stage="{stage}"' in httpx.get(f"{disagg_server.base_url}/metrics", timeout=10).text
+
+
+def test_prefill_workers_run_below_decode_workers_in_cpu_priority(disagg_server):
+    """--prefill-nice (default 10): where they share CPUs, decode steps win over prefill."""
+    actors = [p for p in disagg_server.descendants() if "WorkerActor" in " ".join(p.cmdline() or [p.name()])]
+    assert sorted(p.nice() for p in actors) == [0, 10], [(p.pid, p.name(), p.nice()) for p in actors]
