@@ -22,7 +22,7 @@ from pathlib import Path
 
 from bench.datasets import BenchRequest, make_dataset
 from bench.launch import LaunchedCommand, LaunchedServe, free_port
-from bench.serve_bench import LoadConfig, probe_ignore_eos, run_load, summarize
+from bench.serve_bench import LoadConfig, metric_samples, probe_ignore_eos, run_load, summarize
 
 
 @dataclass(frozen=True)
@@ -57,16 +57,12 @@ def stage_totals(base_url: str) -> dict[str, tuple[float, float]] | None:
     import httpx
 
     try:
-        text = httpx.get(base_url.removesuffix("/v1") + "/metrics", timeout=10).text
-    except httpx.HTTPError:
+        samples = metric_samples(base_url)
+    except (httpx.HTTPError, ValueError):  # no /metrics, or not Prometheus text
         return None
-    totals: dict[str, list[float]] = {}
-    for line in text.splitlines():
-        for suffix, slot in (("_sum{", 0), ("_count{", 1)):
-            if line.startswith("tandem:stage_latency_seconds" + suffix):
-                stage = line.split('stage="', 1)[1].split('"', 1)[0]
-                totals.setdefault(stage, [0.0, 0.0])[slot] = float(line.rsplit(" ", 1)[1])
-    return {stage: (s, c) for stage, (s, c) in totals.items()} or None
+    sums = {s.labels["stage"]: s.value for s in samples if s.name == "tandem:stage_latency_seconds_sum"}
+    counts = {s.labels["stage"]: s.value for s in samples if s.name == "tandem:stage_latency_seconds_count"}
+    return {stage: (total, counts.get(stage, 0.0)) for stage, total in sums.items()} or None
 
 
 def stage_means_ms(before, after) -> dict[str, float] | None:
@@ -143,6 +139,10 @@ def _line(name: str, rate: float, s: dict) -> str:
             f"{s['completed']}/{s['num_requests']} ok{where}")
 
 
+def _num(value) -> str:
+    return "-" if value is None else f"{value:.0f}"
+
+
 def _ms(value) -> str:
     return "-" if value is None else f"{value:.0f} ms"
 
@@ -154,12 +154,14 @@ def table(result: CompareResult, reference: str) -> str:
     for name, by_rate in result.runs.items():
         for rate, s in by_rate.items():
             base = result.runs.get(reference, {}).get(rate)
-            ratio = (f"{base['goodput'] / s['goodput']:.2f}x" if base and s["goodput"] else
-                     ("-" if name == reference else "inf"))
             if name == reference:
                 ratio = "1.00x"
-            lines.append(f"| {name} | {rate:g} | {s['goodput']:.3f} | {ratio} | {_ms(s['itl_ms']['p99'])[:-3]} | "
-                         f"{_ms(s['ttft_ms']['p90'])[:-3]} | {s['output_token_throughput']:.1f} |")
+            elif base and s["goodput"]:
+                ratio = f"{base['goodput'] / s['goodput']:.2f}x"
+            else:
+                ratio = "inf" if base else "-"
+            lines.append(f"| {name} | {rate:g} | {s['goodput']:.3f} | {ratio} | {_num(s['itl_ms']['p99'])} | "
+                         f"{_num(s['ttft_ms']['p90'])} | {s['output_token_throughput']:.1f} |")
     return "\n".join(lines)
 
 

@@ -22,6 +22,7 @@ import time
 from dataclasses import asdict, dataclass, field
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 from tqdm import tqdm
 
 from bench.datasets import BenchRequest
@@ -250,9 +251,13 @@ def ceiling_hit_rate(base_url: str, model: str, requests: list[BenchRequest], bl
     return reusable / sum(len(t) for t in ids)
 
 
+def metric_samples(base_url: str) -> list:
+    """Every sample (``.name``, ``.labels``, ``.value``) of the server's Prometheus /metrics."""
+    text = httpx.get(f"{base_url.removesuffix('/v1')}/metrics", timeout=10).text
+    return [sample for family in text_string_to_metric_families(text) for sample in family.samples]
+
+
 def worker_prompt_tokens_computed(base_url: str, role: str) -> float:
     """Summed over the role's workers, from the tandem router's /metrics."""
-    text = httpx.get(f"{base_url.removesuffix('/v1')}/metrics", timeout=10).text
-    prefix = "tandem:worker_num_prompt_tokens_computed{"
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith(prefix) and f'role="{role}"' in line)
+    return sum(s.value for s in metric_samples(base_url)
+               if s.name == "tandem:worker_num_prompt_tokens_computed" and s.labels.get("role") == role)

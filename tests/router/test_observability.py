@@ -154,3 +154,13 @@ def test_prefill_workers_run_below_decode_workers_in_cpu_priority(disagg_server)
     """--prefill-nice (default 10): where they share CPUs, decode steps win over prefill."""
     actors = [p for p in disagg_server.descendants() if "WorkerActor" in " ".join(p.cmdline() or [p.name()])]
     assert sorted(p.nice() for p in actors) == [0, 10], [(p.pid, p.name(), p.nice()) for p in actors]
+
+
+def test_bench_compare_reads_the_stage_totals(disagg_server):
+    from bench.compare import stage_totals
+    from bench.serve_bench import worker_prompt_tokens_computed
+
+    client(disagg_server).completions.create(model="smollm2-135m-instruct", prompt="[totals] Hi", max_tokens=2)
+    totals = stage_totals(f"{disagg_server.base_url}/v1")
+    assert set(totals) == set(STAGES) and all(count > 0 and total > 0 for total, count in totals.values())
+    assert worker_prompt_tokens_computed(f"{disagg_server.base_url}/v1", "prefill") > 0
