@@ -23,7 +23,7 @@ from urllib.parse import urlparse
 
 from opentelemetry import trace
 from opentelemetry.context import Context
-from opentelemetry.trace import Link, SpanKind, Status, StatusCode
+from opentelemetry.trace import SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 ROUTER_SERVICE, PREFILL_SERVICE, DECODE_SERVICE = "tandem-router", "tandem-prefill", "tandem-decode"
@@ -111,10 +111,9 @@ class Tracing:
                                       attributes=_clean(attributes))
 
     def span_at(self, name: str, parent: Context | None, start_ns: int, end_ns: int,
-                attributes: Mapping | None = None, error: str | None = None, links: Iterable[Link] = ()):
+                attributes: Mapping | None = None, error: str | None = None):
         """A finished span over [start_ns, end_ns] (Unix ns; a reversed range is clamped)."""
-        span = self.tracer.start_span(name, context=parent, start_time=start_ns, attributes=_clean(attributes),
-                                      links=list(links))
+        span = self.tracer.start_span(name, context=parent, start_time=start_ns, attributes=_clean(attributes))
         if error is not None:
             span.set_status(Status(StatusCode.ERROR, error))
         span.end(end_time=max(start_ns, end_ns))
