@@ -1,5 +1,6 @@
 """What both workers share on the wire: the grpc.aio server they serve their RPCs and the KV
-stream on (one port per worker, the cluster secret checked on every call), and the
+stream on (one port per worker, the cluster secret checked on every call but the standard
+health service's), and the
 conversions between the worker protos and the engine's types (done here, at the edge)."""
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from engine.engine_core import EngineCore, EngineCoreOutput
 from engine.outputs import PositionLogprobs
@@ -32,6 +34,9 @@ class ServerConfig:
             raise ValueError(f"port must be in [0, 65536), got {self.port}")
 
 
+HEALTH_PREFIX = "/grpc.health.v1.Health/"
+
+
 class _SecretCheck(grpc.aio.ServerInterceptor):
     """Rejects, with UNAUTHENTICATED, any call whose metadata lacks the cluster secret
     (compared in constant time). The handler keeps its method's shape so the caller sees
@@ -42,6 +47,8 @@ class _SecretCheck(grpc.aio.ServerInterceptor):
 
     async def intercept_service(self, continuation, details):
         handler = await continuation(details)
+        if details.method.startswith(HEALTH_PREFIX):  # probes (kubelet) carry no secret; status only
+            return handler
         sent = dict(details.invocation_metadata or ()).get(SECRET_METADATA_KEY, "")
         if handler is None or hmac.compare_digest(str(sent).encode(), self._secret):
             return handler
@@ -89,14 +96,19 @@ class WorkerServer:
         self._server = grpc.aio.server(interceptors=[_SecretCheck(self.config.cluster_secret)],
                                        options=CHANNEL_OPTIONS)
         self._register(self._server)
+        # the standard health service, for gRPC probes on the worker port (Kubernetes, grpc_health_probe)
+        self.health = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
         port = self._server.add_insecure_port(f"{self.config.host}:{self.config.port}")
         if port == 0:
             raise OSError(f"could not bind {self.config.host}:{self.config.port}")
         await self._server.start()
+        await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
         return port
 
     def stop(self, grace_s: float = 1.0) -> None:
         if self._server is not None and self.loop.is_running():
+            asyncio.run_coroutine_threadsafe(self.health.enter_graceful_shutdown(), self.loop).result(5)
             asyncio.run_coroutine_threadsafe(self._server.stop(grace_s), self.loop).result(grace_s + 5)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(5)

@@ -19,6 +19,7 @@ from engine.llm import EngineArgs
 from kv_transfer.worker_rpc import ServerConfig
 from prefill_worker.worker import PrefillWorkerConfig
 from proto import worker_pb2 as pb
+from proto import worker_pb2_grpc as pb_grpc
 from tests.conftest import make_llm
 from tests.reference import EqualityStats, assert_same_as_engine_reference
 from tests.workers import (
@@ -190,6 +191,20 @@ def test_bad_request_is_refused_and_changes_nothing(smollm_pair):
     assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
     wait_all_free(decode.stats)
     wait_all_free(prefill.stats)
+
+
+def test_worker_ports_answer_grpc_health_probes_without_the_secret(smollm_pair):
+    """What a Kubernetes gRPC probe on the worker port sees; nothing else is open without the secret."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    for worker in smollm_pair:
+        with grpc.insecure_channel(worker.address) as channel:
+            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+            with pytest.raises(grpc.RpcError) as info:
+                stub = pb_grpc.PrefillWorkerStub if worker.role == "prefill" else pb_grpc.DecodeWorkerStub
+                stub(channel).Stats(pb.StatsRequest(), timeout=10)
+            assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
 
 
 def test_abort_during_prefill_and_during_decode_frees_both_sides(smollm_pair, llm, ray_cluster):
