@@ -94,6 +94,7 @@ def init_ray(attempts: int = 3, **kwargs) -> None:
 @dataclass(frozen=True, slots=True)
 class Placement:
     num_cpus: float = 0.5  # Ray's CPU accounting only; threads are pinned by EngineArgs.num_threads
+    num_gpus: float = 0.0  # Ray sets CUDA_VISIBLE_DEVICES to what it grants (none: no GPU visible)
     max_restarts: int = 3
     ready_timeout_s: float = 180.0
     nice: int = 0  # Unix niceness of the worker's process (0: unchanged)
@@ -112,8 +113,9 @@ def launch_worker(role: str, config, placement: Placement = Placement(), name: s
         raise ValueError(f"role must be one of {ROLES}, got {role!r}")
     env = _forwarded_env()
     actor = ray.remote(WorkerActor).options(
-        num_cpus=placement.num_cpus, resources={role: 1}, max_restarts=placement.max_restarts,
-        max_task_retries=0, name=name, runtime_env={"env_vars": env} if env else None,
+        num_cpus=placement.num_cpus, num_gpus=placement.num_gpus, resources={role: 1},
+        max_restarts=placement.max_restarts, max_task_retries=0, name=name,
+        runtime_env={"env_vars": env} if env else None,
     ).remote(role, config, placement.nice)
     try:
         address = _wait_ready(role, actor, placement.ready_timeout_s)

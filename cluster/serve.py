@@ -18,6 +18,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
+from cluster.autoscale import PoolSize, pool_size
 from engine.remote_kv import KVFailurePolicy
 
 _TRANSPORTS = {"grpc": 0, "torch": 1}  # proto KVTransport values
@@ -31,7 +32,9 @@ def _env(name: str, default, kind=str):
 def add_serve_parser(commands) -> None:
     from engine.models.registry import DEFAULT_MODEL
 
-    p = commands.add_parser("serve", help="serve the OpenAI-compatible API from prefill and decode workers on Ray")
+    # no abbreviated flags: a deployment's command line must name each flag in full
+    p = commands.add_parser("serve", help="serve the OpenAI-compatible API from prefill and decode workers on Ray",
+                            allow_abbrev=False)
     p.add_argument("--model", default=_env("MODEL", DEFAULT_MODEL))
     p.add_argument("--served-model-name", default=_env("SERVED_MODEL_NAME", None))
     p.add_argument("--dtype", default=_env("DTYPE", "auto"))
@@ -41,10 +44,26 @@ def add_serve_parser(commands) -> None:
     p.add_argument("--grpc-tls-cert", default=_env("GRPC_TLS_CERT", None), help="PEM certificate chain (TLS on)")
     p.add_argument("--grpc-tls-key", default=_env("GRPC_TLS_KEY", None), help="PEM private key")
     p.add_argument("--mode", choices=["disagg", "colocated"], default=_env("MODE", "disagg"))
-    p.add_argument("--prefill-workers", type=int, default=_env("PREFILL_WORKERS", 1, int))
-    p.add_argument("--decode-workers", type=int, default=_env("DECODE_WORKERS", 1, int))
+    p.add_argument("--prefill-workers", type=pool_size, default=_env("PREFILL_WORKERS", "1", pool_size),
+                   help="N, or MIN:MAX to autoscale the pool between them (disagg mode)")
+    p.add_argument("--decode-workers", type=pool_size, default=_env("DECODE_WORKERS", "1", pool_size),
+                   help="N, or MIN:MAX to autoscale the pool between them")
+    p.add_argument("--prefill-queue-target", type=float, default=_env("PREFILL_QUEUE_TARGET", 2048.0, float),
+                   help="autoscaling: queued prompt tokens per prefill worker above which the pool grows")
+    p.add_argument("--decode-queue-target", type=float, default=_env("DECODE_QUEUE_TARGET", 4.0, float),
+                   help="autoscaling: waiting sequences per decode worker above which the pool grows")
+    p.add_argument("--scale-up-window", type=float, default=_env("SCALE_UP_WINDOW", 10.0, float),
+                   help="autoscaling: seconds a queue must stay above its target before a worker is added")
+    p.add_argument("--scale-down-window", type=float, default=_env("SCALE_DOWN_WINDOW", 60.0, float),
+                   help="autoscaling: seconds a pool must stay idle before one worker drains and stops")
+    p.add_argument("--autoscale-interval", type=float, default=_env("AUTOSCALE_INTERVAL", 2.0, float),
+                   help="autoscaling: seconds between looks at the queues")
     p.add_argument("--worker-threads", type=int, default=_env("WORKER_THREADS", 1, int),
                    help="torch threads each worker pins")
+    p.add_argument("--prefill-gpus", type=float, default=_env("PREFILL_GPUS", 0.0, float),
+                   help="GPUs each prefill worker asks Ray for (Ray hides the GPUs from an actor that asks for none)")
+    p.add_argument("--decode-gpus", type=float, default=_env("DECODE_GPUS", 0.0, float),
+                   help="GPUs each decode worker asks Ray for")
     p.add_argument("--worker-port", type=int, default=_env("WORKER_PORT", 0, int), help="0: any free port")
     p.add_argument("--ray-address", default=_env("RAY_ADDRESS", None), help="join this Ray cluster (default: start one)")
     p.add_argument("--api-key", default=_env("API_KEY", None))
@@ -111,14 +130,17 @@ def run_serve(args: argparse.Namespace) -> int:
                         max_num_batched_tokens=args.max_num_batched_tokens,
                         num_threads=args.worker_threads, chat_template=chat_template,
                         served_model_name=args.served_model_name or args.model)
-    num_prefill = args.prefill_workers if args.mode == "disagg" else 0
+    sizes = {"decode": args.decode_workers}
+    if args.mode == "disagg":
+        sizes["prefill"] = args.prefill_workers
     started_ray = not args.ray_address
     if started_ray:
         # Ray starts its workers at niceness 15 by default: below the router and every other
         # process, so a busy machine preempts decode steps first. Ours run at 0 (prefill
         # workers then lower themselves by --prefill-nice).
         os.environ.setdefault("RAY_worker_niceness", "0")
-        init_ray(num_cpus=os.cpu_count(), resources={"prefill": max(num_prefill, 1), "decode": args.decode_workers},
+        # room for each pool's largest size (a joined cluster's autoscaler adds nodes instead)
+        init_ray(num_cpus=os.cpu_count(), resources={"prefill": 1} | {role: size.max for role, size in sizes.items()},
                  include_dashboard=False, logging_level="warning")
     else:
         init_ray(address=args.ray_address, logging_level="warning")
@@ -133,7 +155,7 @@ def run_serve(args: argparse.Namespace) -> int:
         args.redis_url = private_redis.start()
         _say(f"prefix index: private Redis on 127.0.0.1:{private_redis.port}")
     try:
-        return _serve(args, info, engine, max_model_len, num_prefill, policy, secret, handles)
+        return _serve(args, info, engine, max_model_len, sizes, policy, secret, handles)
     except WorkerStartupError as exc:
         _say(f"error: {exc}")
         return 1
@@ -147,46 +169,70 @@ def run_serve(args: argparse.Namespace) -> int:
         _say("stopped")
 
 
-def _launch(engine, args, num_prefill: int, secret: str, handles: list) -> None:
-    """Start the pools in parallel (blocking); every worker that started goes into
-    ``handles``, then the first failure, if any, is raised."""
-    from cluster.actors import Placement, launch_worker
-    from decode_worker.worker import DecodeWorkerConfig
-    from kv_transfer.prefix_events import PrefixIndexConfig
-    from kv_transfer.worker_rpc import ServerConfig
-    from prefill_worker.worker import PrefillWorkerConfig
+class _Workers:
+    """Starts and stops this command's workers (blocking calls: run them in threads). Every
+    worker started is in ``handles`` until it is stopped, so that shutdown stops them all."""
 
-    server = ServerConfig("", args.worker_port, secret)
-    policy = KVFailurePolicy(args.kv_failure_policy)
-    placement = Placement(ready_timeout_s=args.ready_timeout)
-    prefill_placement = replace(placement, nice=max(0, args.prefill_nice))
-    index = PrefixIndexConfig(args.redis_url)
-    jobs = [("prefill", PrefillWorkerConfig(engine, server, prefix_index=index, tracing=args.tracing))] * num_prefill
-    jobs += [("decode", DecodeWorkerConfig(engine, server, prefix_index=index, kv_failure_policy=policy,
-                                           tracing=args.tracing))] * args.decode_workers
-    _say(f"starting {num_prefill} prefill and {args.decode_workers} decode workers "
-         f"({args.worker_threads} threads each)")
-    start = time.monotonic()
-    with ThreadPoolExecutor(len(jobs)) as pool:
-        pending = [pool.submit(launch_worker, role, config, prefill_placement if role == "prefill" else placement)
-                   for role, config in jobs]
-    errors = []
-    for future in pending:
-        if future.exception() is not None:
-            errors.append(future.exception())
-        else:
-            handles.append(future.result())
-            _say(f"{handles[-1].role} worker ready at {handles[-1].address}")
-    if errors:
-        raise errors[0]
-    _say(f"workers ready in {time.monotonic() - start:.1f} s")
+    def __init__(self, engine, args, secret: str, handles: list) -> None:
+        from cluster.actors import Placement
+        from decode_worker.worker import DecodeWorkerConfig
+        from kv_transfer.prefix_events import PrefixIndexConfig
+        from kv_transfer.worker_rpc import ServerConfig
+        from prefill_worker.worker import PrefillWorkerConfig
+
+        server = ServerConfig("", args.worker_port, secret)
+        index = PrefixIndexConfig(args.redis_url)
+        placement = Placement(ready_timeout_s=args.ready_timeout)
+        self.configs = {
+            "prefill": PrefillWorkerConfig(engine, server, prefix_index=index, tracing=args.tracing),
+            "decode": DecodeWorkerConfig(engine, server, prefix_index=index, tracing=args.tracing,
+                                         kv_failure_policy=KVFailurePolicy(args.kv_failure_policy)),
+        }
+        self.placements = {"prefill": replace(placement, nice=max(0, args.prefill_nice), num_gpus=args.prefill_gpus),
+                           "decode": replace(placement, num_gpus=args.decode_gpus)}
+        self.handles = handles
+
+    def start(self, role: str):
+        """One worker, once it serves: (address, handle)."""
+        from cluster.actors import launch_worker
+
+        handle = launch_worker(role, self.configs[role], self.placements[role])
+        self.handles.append(handle)
+        return handle.address, handle
+
+    def stop(self, handle, timeout_s: float = 30.0) -> None:
+        import ray
+
+        try:
+            ray.get(handle.actor.stop.remote(), timeout=timeout_s)
+        except Exception as exc:  # it is killed next either way
+            _say(f"{handle.role} worker {handle.address} did not stop cleanly: {exc}")
+        ray.kill(handle.actor, no_restart=True)
+        self.handles.remove(handle)
+
+    def launch(self, counts: dict[str, int], threads: int) -> None:
+        """Start the pools in parallel (blocking); then raise the first failure, if any."""
+        _say(f"starting {counts.get('prefill', 0)} prefill and {counts['decode']} decode workers "
+             f"({threads} threads each)")
+        began = time.monotonic()
+        roles = [role for role, count in counts.items() for _ in range(count)]
+        with ThreadPoolExecutor(len(roles)) as pool:
+            pending = [pool.submit(self.start, role) for role in roles]
+        errors = [future.exception() for future in pending if future.exception() is not None]
+        for handle in self.handles:
+            _say(f"{handle.role} worker ready at {handle.address}")
+        if errors:
+            raise errors[0]
+        _say(f"workers ready in {time.monotonic() - began:.1f} s")
 
 
-def _serve(args, info, engine, max_model_len: int, num_prefill: int, policy, secret: str, handles: list) -> int:
+def _serve(args, info, engine, max_model_len: int, sizes: dict[str, PoolSize], policy, secret: str,
+           handles: list) -> int:
     """HTTP and gRPC come up first (not ready: /ready 503, health NOT_SERVING), then the
     workers start; the server turns ready when they are."""
     import uvicorn
 
+    from cluster.autoscale import PoolAutoscaler, ScaleRule
     from router.app import build_app
     from router.grpc_api import PublicGrpcServer
     from router.prefix_index import PrefixIndex
@@ -201,6 +247,12 @@ def _serve(args, info, engine, max_model_len: int, num_prefill: int, policy, sec
     index = PrefixIndex(args.redis_url) if args.routing_policy == "prefix" else None
     tracing = setup_tracing(ROUTER_SERVICE, args.tracing, f"{args.host}:{args.port}")
     state = RouterState(config, info, pool, index, tracing)
+    workers = _Workers(engine, args, secret, handles)
+    rules = {"prefill": ScaleRule(args.prefill_queue_target, args.scale_up_window, args.scale_down_window),
+             "decode": ScaleRule(args.decode_queue_target, args.scale_up_window, args.scale_down_window)}
+    autoscaler = PoolAutoscaler(pool, sizes, rules, workers.start, workers.stop, {}, args.autoscale_interval,
+                                args.drain_timeout)
+    state.registry.register(autoscaler)
     tls = None
     if args.grpc_tls_cert or args.grpc_tls_key:
         if not (args.grpc_tls_cert and args.grpc_tls_key):
@@ -216,6 +268,7 @@ def _serve(args, info, engine, max_model_len: int, num_prefill: int, policy, sec
             state.draining = True
             loop = asyncio.get_running_loop()
             loop.create_task(public_grpc.set_serving(False))
+            loop.create_task(autoscaler.stop())  # the pools stay as they are while draining
             loop.create_task(_drain(self, state))
 
     async def main() -> None:
@@ -232,14 +285,18 @@ def _serve(args, info, engine, max_model_len: int, num_prefill: int, policy, sec
             if server.started:
                 _say(f"listening on http://{args.host}:{args.port} and grpc {args.host}:{public_grpc.port}; "
                      "not ready until the workers are")
-                launch = asyncio.get_running_loop().run_in_executor(
-                    None, _launch, engine, args, num_prefill, secret, handles)
+                counts = {role: size.min for role, size in sizes.items()}
+                launch = asyncio.get_running_loop().run_in_executor(None, workers.launch, counts, args.worker_threads)
                 await asyncio.wait({launch, serving}, return_when=asyncio.FIRST_COMPLETED)
                 if launch.done():
                     launch.result()  # a worker that did not start stops everything, with its error
                     pool.add_workers("decode", [h.address for h in handles if h.role == "decode"])
                     pool.add_workers("prefill", [h.address for h in handles if h.role == "prefill"])
                     await pool.start()
+                    autoscaler.handles.update((h.address, h) for h in handles)
+                    if any(size.autoscaled for size in sizes.values()):
+                        await autoscaler.start()
+                        _say("autoscaling: " + ", ".join(f"{role} {size}" for role, size in sizes.items()))
                     if index is not None:
                         await index.start()
                         sweeping = asyncio.create_task(_sweep_forever(index, pool))
@@ -253,6 +310,7 @@ def _serve(args, info, engine, max_model_len: int, num_prefill: int, policy, sec
                 server.should_exit = True
                 await serving
             await public_grpc.stop()
+            await autoscaler.stop()
             await pool.stop()
             if sweeping is not None:
                 sweeping.cancel()

@@ -43,6 +43,7 @@ class WorkerView:
     prompt_tokens_in_flight: int = 0  # prompt tokens of those (prefill load)
     failures: int = field(default=0)  # consecutive failed Stats calls
     prefill_rate: float = 0.0  # prompt tokens/s it computed while busy (moving average; 0: unknown)
+    draining: bool = False  # leaving the pool (autoscaling): no new requests, those in flight finish
 
 
 @dataclass(frozen=True, slots=True)

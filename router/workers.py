@@ -44,6 +44,20 @@ class WorkerPool:
         views = self.decode if role == "decode" else self.prefill
         views.extend(WorkerView(role, address) for address in addresses)
 
+    def remove_worker(self, worker: WorkerView) -> None:
+        """A worker that left (drained, then stopped): out of routing, health polls and metrics."""
+        views = self.decode if worker.role == "decode" else self.prefill
+        if worker in views:
+            views.remove(worker)
+        self._last_seen.pop(worker.address, None)
+        channel = self._channels.pop(worker.address, None)
+        if channel is not None:
+            asyncio.get_running_loop().create_task(channel.close())
+
+    def routable(self, role: str) -> list[WorkerView]:
+        """The role's workers that take new requests (healthy or not; draining ones do not)."""
+        return [w for w in (self.decode if role == "decode" else self.prefill) if not w.draining]
+
     # -- stubs --------------------------------------------------------------------------------
     def _channel(self, address: str) -> grpc.aio.Channel:
         if address not in self._channels:
@@ -105,17 +119,19 @@ class WorkerPool:
 
     @property
     def is_ready(self) -> bool:
-        return any(w.healthy for w in self.decode) and (not self.prefill or any(w.healthy for w in self.prefill))
+        prefill = self.routable("prefill")
+        return any(w.healthy for w in self.routable("decode")) and (not prefill or any(w.healthy for w in prefill))
 
     # -- dispatch -----------------------------------------------------------------------------
     def assign(self, exclude: frozenset[str] = frozenset(), route: RouteRequest | None = None) -> Assignment | None:
         """A decode worker and (disaggregated) a prefill worker, avoiding ``exclude`` addresses."""
-        decode = self._policy.pick([w for w in self.decode if w.address not in exclude], route)
+        decode = self._policy.pick([w for w in self.routable("decode") if w.address not in exclude], route)
         if decode is None:
             return None
-        if not self.prefill:
+        prefill_pool = self.routable("prefill")
+        if not prefill_pool:
             return Assignment(decode, None)
-        prefill = self._policy.pick([w for w in self.prefill if w.address not in exclude], route)
+        prefill = self._policy.pick([w for w in prefill_pool if w.address not in exclude], route)
         if prefill is None:
             return None
         return Assignment(decode, prefill)
