@@ -143,6 +143,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     num_threads: int | None = None  # torch intra-op threads; None leaves torch's default
     seed: int = 0  # seeds the random per-request seeds of unseeded requests
+    attention_backend: str = "auto"  # auto (Triton on CUDA, torch elsewhere) | torch | triton
 
 
 def parse_dtype(name: str | torch.dtype) -> torch.dtype | None:

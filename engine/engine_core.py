@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.attention.torch_backend import TorchAttentionBackend
+from engine.attention import make_attention_backend
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.kv_cache.block_hash import namespace_digest
@@ -91,8 +91,9 @@ class EngineCore:
             self.block_pool, config.cache.block_size, namespace, config.cache.enable_prefix_caching
         )
         self.kv_cache = KVCache(model_cfg.arch, num_blocks, config.cache.block_size, model_cfg.dtype)
-        ops = select_ops(torch.device("cpu"))
-        backend = TorchAttentionBackend(model_cfg.dtype, ops.kernels)
+        device = torch.device("cpu")  # the engine's tensors live here (the CUDA engine path is not built yet)
+        ops = select_ops(device)
+        backend = make_attention_backend(config.attention_backend, device, model_cfg.dtype, ops.kernels)
         self.model = load_model(model_cfg, backend, ops)
         self.runner = ModelRunner(self.model, self.kv_cache, backend)
         self.scheduler = Scheduler(config.scheduler, self.kv_manager, model_cfg.max_model_len)

@@ -50,6 +50,7 @@ class LLM:
         chat_template: str | None = None,
         served_model_name: str | None = None,
         free_order_seed: int | None = None,
+        attention_backend: str = "auto",
     ) -> None:
         if num_threads:
             torch.set_num_threads(num_threads)
@@ -75,6 +76,7 @@ class LLM:
             scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens),
             num_threads=num_threads,
             seed=seed,
+            attention_backend=attention_backend,
         )
         self.info = info
         self.engine_core = EngineCore(self.config, info, free_order_seed)
@@ -187,6 +189,7 @@ class EngineArgs:
     seed: int = 0
     chat_template: str | None = None
     served_model_name: str | None = None
+    attention_backend: str = "auto"  # --attention-backend
 
     def build(self) -> LLM:
         return LLM(**{f.name: getattr(self, f.name) for f in fields(self)})

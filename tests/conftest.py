@@ -13,6 +13,10 @@ from engine.models.fetch import resolve_model
 from engine.models.registry import DEFAULT_MODEL, KNOWN_MODELS
 
 torch.set_num_threads(int(os.environ.get("TANDEM_TEST_THREADS", "2")))
+# Without a GPU, Triton kernels run interpreted on CPU tensors; Triton reads this when a kernel
+# is defined, so it is set before any test imports engine.triton_ops.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 _ENGINES: "weakref.WeakSet" = weakref.WeakSet()
 

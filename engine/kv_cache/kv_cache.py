@@ -32,13 +32,41 @@ def slot_indices(block_table: list[int], start_pos: int, end_pos: int, block_siz
 class KVCache:
     """Holds ``layers[i]``: one tensor [num_blocks, block_size, 2 * num_kv_heads, head_dim]
     per layer, keys in heads [0, num_kv_heads) and values in the rest, so that one index op
-    writes or gathers both. Slot s = block * block_size + offset."""
+    writes or gathers both. Slot s = block * block_size + offset. The layers are views of one
+    tensor ``storage`` [num_layers, num_blocks, ...], so a kernel can cover a layer range in
+    one launch (pack_blocks / unpack_blocks)."""
 
-    def __init__(self, arch: ModelArchConfig, num_blocks: int, block_size: int, dtype: torch.dtype):
-        shape = (num_blocks, block_size, 2 * arch.num_key_value_heads, arch.head_dim)
+    def __init__(self, arch: ModelArchConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
+                 device: torch.device | str = "cpu"):
+        shape = (arch.num_hidden_layers, num_blocks, block_size, 2 * arch.num_key_value_heads, arch.head_dim)
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.layers = [torch.zeros(shape, dtype=dtype) for _ in range(arch.num_hidden_layers)]
+        self.storage = torch.zeros(shape, dtype=dtype, device=device)
+        self.layers = list(self.storage.unbind(0))
+
+    def pack_blocks(self, block_ids: list[int], layer_start: int, layer_end: int) -> torch.Tensor:
+        """Blocks ``block_ids`` of layers [layer_start, layer_end), contiguous:
+        [layers, len(block_ids), block_size, 2 * kv_heads, head_dim] (the Triton kernel on CUDA)."""
+        index = torch.tensor(block_ids, dtype=torch.int64, device=self.storage.device)
+        if self.storage.is_cuda:
+            from engine.triton_ops.kv_pack import pack_kv_blocks
+
+            return pack_kv_blocks(self.storage, index, layer_start, layer_end)
+        return self.storage[layer_start:layer_end].index_select(1, index)
+
+    def unpack_blocks(self, buffer: torch.Tensor, block_ids: list[int], layer_start: int) -> None:
+        """The reverse of pack_blocks, into this cache's blocks ``block_ids``."""
+        index = torch.tensor(block_ids, dtype=torch.int64, device=self.storage.device)
+        layers = self.storage[layer_start:layer_start + buffer.shape[0]]
+        if buffer.shape != (layers.shape[0], len(block_ids), *layers.shape[2:]) or buffer.dtype != layers.dtype:
+            raise ValueError(f"a buffer of {tuple(buffer.shape)} {buffer.dtype} does not fit {len(block_ids)} blocks "
+                             f"of layers from {layer_start}")
+        if self.storage.is_cuda:
+            from engine.triton_ops.kv_pack import unpack_kv_blocks
+
+            unpack_kv_blocks(buffer.contiguous(), self.storage, index, layer_start)
+            return
+        layers.index_copy_(1, index, buffer)
 
     def fill_blocks(self, block_ids: list[int], value: float) -> None:
         """Overwrite whole blocks in every layer (tests poison discarded blocks with NaN)."""

@@ -24,10 +24,10 @@ def engines(smollm_dir):
     return make_engine_pair(smollm_dir)
 
 
-def receiver_for(decode, secret=SECRET):
+def receiver_for(decode, secret=SECRET, timeout_s: float = 30):
     inbox = EngineInbox()
     cache = decode.kv_cache.layers[0]
-    return inbox, TorchDistKVReceiver(inbox, secret, cache.dtype, tuple(cache.shape[2:]), timeout_s=30)
+    return inbox, TorchDistKVReceiver(inbox, secret, cache.dtype, tuple(cache.shape[2:]), timeout_s=timeout_s)
 
 
 class RecordingSink(RecordsSent, TorchDistKVSink):
@@ -119,8 +119,10 @@ def _prefill_process(model_dir, address, plan, params, result_queue):
 def test_gloo_transfer_between_processes(engines, smollm_dir, llm):
     _, decode = engines
     params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
-    inbox, receiver = receiver_for(decode)
     prompts = ["Across processes: " + p for p in PROMPTS]
+    # the receiver's wait includes the child's start: spawning Python and loading the model, which
+    # took over 30 s on a loaded 2-core CI machine
+    inbox, receiver = receiver_for(decode, timeout_s=150)
     plan = reserve(decode, prompts, params, "p")
     context = multiprocessing.get_context("spawn")
     results = context.Queue()

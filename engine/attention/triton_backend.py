@@ -1,0 +1,77 @@
+"""Attention with the Triton kernels (engine/triton_ops): the GPU path's backend. On the CPU it
+runs only interpreted (TRITON_INTERPRET=1), which is how the tests check it against the torch
+backend without a GPU."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.attention.backend import AttentionBackend, BatchLayout
+
+
+@dataclass(frozen=True, slots=True)
+class TritonAttentionMetadata:
+    slot_mapping: torch.Tensor  # [num_tokens]
+    num_decodes: int
+    decode_block_tables: torch.Tensor  # [num_decodes, max_blocks] int32 (padding never read)
+    decode_seq_lens: torch.Tensor  # [num_decodes] int32
+    max_decode_len: int
+    prefill_block_tables: torch.Tensor  # [num_prefills, max_blocks] int32
+    prefill_seq_lens: torch.Tensor  # [num_prefills] int32
+    prefill_cu_seqlens: torch.Tensor  # [num_prefills + 1] int32, from 0 (tokens after the decodes)
+    max_prefill_len: int
+
+
+def _table(rows: list[list[int]], device: torch.device) -> torch.Tensor:
+    width = max((len(r) for r in rows), default=0)
+    table = torch.zeros((len(rows), max(width, 1)), dtype=torch.int32)
+    for i, row in enumerate(rows):
+        table[i, : len(row)] = torch.tensor(row, dtype=torch.int32)
+    return table.to(device)
+
+
+class TritonAttentionBackend(AttentionBackend):
+    """Decodes through paged_decode_attention (split-K chosen per step from the shapes),
+    prefill chunks through paged_prefill_attention, K/V written by write_kv."""
+
+    def __init__(self, dtype: torch.dtype, device: torch.device | str = "cuda") -> None:
+        from engine.triton_ops import kv_write, paged_decode, paged_prefill  # imports triton
+
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self._write, self._decode, self._prefill = (kv_write.write_kv, paged_decode.paged_decode_attention,
+                                                    paged_prefill.paged_prefill_attention)
+
+    def build_metadata(self, layout: BatchLayout) -> TritonAttentionMetadata:
+        n_dec = layout.num_decodes
+        seq_lens = layout.seq_lens
+        cu = [0]
+        for q_len in layout.query_lens[n_dec:]:
+            cu.append(cu[-1] + q_len)
+        to = self.device
+        return TritonAttentionMetadata(
+            slot_mapping=layout.slot_mapping.to(to),
+            num_decodes=n_dec,
+            decode_block_tables=_table(layout.block_tables[:n_dec], to),
+            decode_seq_lens=torch.tensor(seq_lens[:n_dec], dtype=torch.int32, device=to),
+            max_decode_len=max(seq_lens[:n_dec], default=0),
+            prefill_block_tables=_table(layout.block_tables[n_dec:], to),
+            prefill_seq_lens=torch.tensor(seq_lens[n_dec:], dtype=torch.int32, device=to),
+            prefill_cu_seqlens=torch.tensor(cu, dtype=torch.int32, device=to),
+            max_prefill_len=max(layout.query_lens[n_dec:], default=0),
+        )
+
+    def forward(self, query, key_value, kv_cache, metadata: TritonAttentionMetadata):
+        self._write(key_value, kv_cache, metadata.slot_mapping)
+        out = torch.empty_like(query)
+        n_dec = metadata.num_decodes
+        scale = query.shape[-1] ** -0.5
+        if n_dec:
+            self._decode(query[:n_dec], kv_cache, metadata.decode_block_tables, metadata.decode_seq_lens, scale,
+                         out=out[:n_dec], max_seq_len=metadata.max_decode_len)
+        if metadata.max_prefill_len:
+            self._prefill(query[n_dec:], kv_cache, metadata.prefill_block_tables, metadata.prefill_seq_lens,
+                          metadata.prefill_cu_seqlens, metadata.max_prefill_len, scale, out=out[n_dec:])
+        return out
