@@ -75,6 +75,8 @@ def add_serve_parser(commands) -> None:
     p.add_argument("--attention-backend", choices=["auto", "torch", "triton"],
                    default=_env("ATTENTION_BACKEND", "auto"),
                    help="auto: Triton kernels on CUDA, torch on the CPU; triton where it cannot run is an error")
+    p.add_argument("--device", choices=["cpu", "cuda", "auto"], default=_env("DEVICE", "cpu"),
+                   help="where each worker's model and KV cache live (auto: CUDA when the worker sees a GPU)")
     p.add_argument("--max-num-batched-tokens", type=int, default=_env("MAX_NUM_BATCHED_TOKENS", 8192, int),
                    help="tokens per forward pass: the chunked-prefill budget")
     p.add_argument("--max-queue", type=int, default=_env("MAX_QUEUE", 256, int), help="requests in flight before 429")
@@ -132,7 +134,7 @@ def run_serve(args: argparse.Namespace) -> int:
                         block_size=args.block_size, num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
                         max_num_batched_tokens=args.max_num_batched_tokens,
                         num_threads=args.worker_threads, chat_template=chat_template,
-                        attention_backend=args.attention_backend,
+                        attention_backend=args.attention_backend, device=args.device,
                         served_model_name=args.served_model_name or args.model)
     sizes = {"decode": args.decode_workers}
     if args.mode == "disagg":

@@ -25,6 +25,7 @@ from engine.model_runner import ModelRunner
 from engine.models.loader import load_model
 from engine.models.ops import select_ops
 from engine.outputs import Logprob, PositionLogprobs
+from engine.platform import resolve_device
 from engine.remote_kv import KVExport, KVExporter, KVFailurePolicy, KVImporter, PrefillTiming
 from engine.request import Request, RequestStatus, RequestTimes
 from engine.sampling_params import SamplingParams
@@ -90,11 +91,11 @@ class EngineCore:
         self.kv_manager = KVCacheManager(
             self.block_pool, config.cache.block_size, namespace, config.cache.enable_prefix_caching
         )
-        self.kv_cache = KVCache(model_cfg.arch, num_blocks, config.cache.block_size, model_cfg.dtype)
-        device = torch.device("cpu")  # the engine's tensors live here (the CUDA engine path is not built yet)
+        device = resolve_device(config.device)
+        self.kv_cache = KVCache(model_cfg.arch, num_blocks, config.cache.block_size, model_cfg.dtype, device)
         ops = select_ops(device)
         backend = make_attention_backend(config.attention_backend, device, model_cfg.dtype, ops.kernels)
-        self.model = load_model(model_cfg, backend, ops)
+        self.model = load_model(model_cfg, backend, ops, device)
         self.runner = ModelRunner(self.model, self.kv_cache, backend)
         self.scheduler = Scheduler(config.scheduler, self.kv_manager, model_cfg.max_model_len)
         self.kv_importer = KVImporter(self.kv_cache, self.kv_manager, model_cfg.arch.num_hidden_layers)

@@ -15,7 +15,7 @@ from engine.llm_engine import LLMEngine
 from engine.model_info import load_model_info
 from engine.models.registry import DEFAULT_MODEL
 from engine.outputs import RequestOutput
-from engine.platform import auto_dtype
+from engine.platform import auto_dtype, resolve_device
 from engine.sampling_params import SamplingParams
 
 Prompt = str | list[int] | dict
@@ -51,14 +51,16 @@ class LLM:
         served_model_name: str | None = None,
         free_order_seed: int | None = None,
         attention_backend: str = "auto",
+        device: str = "cpu",
     ) -> None:
         if num_threads:
             torch.set_num_threads(num_threads)
         info = load_model_info(model, chat_template)
         arch = info.arch
         resolved = parse_dtype(dtype)
+        place = resolve_device(device)
         if resolved is None:
-            resolved = auto_dtype("cpu", arch.hidden_size, arch.intermediate_size)
+            resolved = auto_dtype(place.type, arch.hidden_size, arch.intermediate_size)
             print(f"[tandem] dtype auto -> {str(resolved).removeprefix('torch.')} (timed on this CPU)",
                   file=sys.stderr, flush=True)
         max_model_len = resolve_max_model_len(arch, max_model_len)
@@ -77,6 +79,7 @@ class LLM:
             num_threads=num_threads,
             seed=seed,
             attention_backend=attention_backend,
+            device=str(place),
         )
         self.info = info
         self.engine_core = EngineCore(self.config, info, free_order_seed)
@@ -190,6 +193,7 @@ class EngineArgs:
     chat_template: str | None = None
     served_model_name: str | None = None
     attention_backend: str = "auto"  # --attention-backend
+    device: str = "cpu"  # --device
 
     def build(self) -> LLM:
         return LLM(**{f.name: getattr(self, f.name) for f in fields(self)})

@@ -50,9 +50,10 @@ class ModelRunner:
         metadata = self.backend.build_metadata(layout)
         self.num_forward_calls += 1
         self.num_tokens_processed += len(input_ids)
+        device = self.kv_cache.storage.device
         hidden = self.model(
-            torch.tensor(input_ids, dtype=torch.int64), torch.cat(positions), self.kv_cache.layers, metadata,
-            self._export_hook(seqs),
+            torch.tensor(input_ids, dtype=torch.int64).to(device), torch.cat(positions).to(device),
+            self.kv_cache.layers, metadata, self._export_hook(seqs),
         )  # [num_tokens, hidden]
         return self._sample(seqs, hidden)
 
@@ -92,7 +93,7 @@ class ModelRunner:
             offset += num_new
         sampled = {}
         if sample_rows:
-            logits = self.model.compute_logits(hidden[sample_rows])  # [num_sampled, vocab]
+            logits = self.model.compute_logits(hidden[sample_rows]).cpu()  # [num_sampled, vocab]; sampled on the CPU
             tokens = self.sampler(logits, [seq.sampling for seq in sample_seqs])
             sampled = {seq.request_id: token for seq, token in zip(sample_seqs, tokens)}
         prompt_logprobs = {
@@ -103,6 +104,6 @@ class ModelRunner:
 
     def _prompt_logprobs(self, seq: ScheduledSeq, hidden: torch.Tensor) -> list[TokenLogprobs]:
         request = seq.prompt_logprobs
-        logprobs = self.model.compute_logits(hidden).log_softmax(dim=-1)  # [count, vocab]
+        logprobs = self.model.compute_logits(hidden).log_softmax(dim=-1).cpu()  # [count, vocab]
         targets = torch.tensor(request.target_token_ids, dtype=torch.int64)
         return gather_logprobs(logprobs, targets, [request.num_top] * len(targets))

@@ -19,6 +19,18 @@ def _time_linear(dtype: torch.dtype, rows: int, in_features: int, out_features: 
     return time.perf_counter() - start
 
 
+def resolve_device(name: str | torch.device) -> torch.device:
+    """``auto``: CUDA when available, else the CPU. Asking for CUDA without it is an error."""
+    if str(name) == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"device {device} is not supported (cpu, cuda, auto)")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device} was asked for, but CUDA is not available here")
+    return device
+
+
 @lru_cache(maxsize=8)
 def auto_dtype(device: str, hidden_size: int, intermediate_size: int) -> torch.dtype:
     """bfloat16 on CUDA; on the CPU, bfloat16 only if its matmuls (decode-sized and

@@ -60,7 +60,7 @@ def encode_layer(
     per_token = kv[0].numel() * kv.element_size()
     tokens_per_chunk = max(1, max_chunk_bytes // per_token)
     for offset in range(0, kv.shape[0], tokens_per_chunk):
-        part = kv[offset : offset + tokens_per_chunk].contiguous()
+        part = kv[offset : offset + tokens_per_chunk].contiguous().cpu()  # the frame is host bytes
         payload = memoryview(part.view(torch.uint8).numpy())  # no copy until the frame is joined
         header = pb.KVMessage()
         chunk = header.chunk

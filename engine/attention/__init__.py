@@ -26,6 +26,8 @@ def make_attention_backend(name: str, device: torch.device | str, dtype: torch.d
         from engine.attention.triton_backend import TritonAttentionBackend
 
         return TritonAttentionBackend(dtype, device)
+    if device.type != "cpu":
+        raise ValueError(f"the torch attention backend runs on the CPU; on {device} use triton (or auto)")
     from engine.attention.torch_backend import TorchAttentionBackend
 
-    return TorchAttentionBackend(dtype, native if device.type == "cpu" else None)
+    return TorchAttentionBackend(dtype, native)

@@ -80,7 +80,7 @@ class KVCache:
     def read_slots(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
         """A copy of the K/V at ``slots``: [len(slots), 2 * kv_heads, head_dim]."""
         flat = self.layers[layer].flatten(0, 1)
-        return flat.index_select(0, slots)
+        return flat.index_select(0, slots.to(flat.device))
 
     def write_slots(self, layer: int, slots: torch.Tensor, kv: torch.Tensor) -> None:
         flat = self.layers[layer].flatten(0, 1)
@@ -89,4 +89,4 @@ class KVCache:
                 f"KV of shape {tuple(kv.shape)} {kv.dtype} does not fit {len(slots)} slots of "
                 f"{tuple(flat.shape[1:])} {flat.dtype}"
             )
-        flat.index_copy_(0, slots, kv)
+        flat.index_copy_(0, slots.to(flat.device), kv.to(flat.device))

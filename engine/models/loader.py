@@ -53,7 +53,7 @@ def _to_model_names(weights: dict[str, torch.Tensor], arch) -> dict[str, torch.T
     return weights
 
 
-def load_model(config: ModelConfig, backend: AttentionBackend, ops=None) -> CausalLM:
+def load_model(config: ModelConfig, backend: AttentionBackend, ops=None, device="cpu") -> CausalLM:
     arch = config.arch
     with torch.device("meta"):
         model = CausalLM(arch, config.max_model_len, backend, ops)
@@ -65,11 +65,11 @@ def load_model(config: ModelConfig, backend: AttentionBackend, ops=None) -> Caus
             f"{config.model_dir}: weights do not match a {arch.model_type} model "
             f"(missing: {sorted(missing)[:5]}, unexpected: {sorted(unexpected)[:5]})"
         )
-    state = {name: weights[name].to(config.dtype) for name in expected}
+    state = {name: weights[name].to(device=device, dtype=config.dtype) for name in expected}
     model.load_state_dict(state, assign=True, strict=True)
     # the RoPE tables were created on the meta device; build them for real (float32)
     real = RotaryEmbedding(arch.head_dim, config.max_model_len, arch.rope_theta, arch.rope_scaling)
-    model.model.rotary.cos, model.model.rotary.sin = real.cos, real.sin
+    model.model.rotary.cos, model.model.rotary.sin = real.cos.to(device), real.sin.to(device)
     model = model.eval().requires_grad_(False)
     model.pack_weights()
     return model

@@ -236,6 +236,21 @@ def test_triton_where_it_cannot_run_is_a_loud_error(monkeypatch):
         make_attention_backend("flash", "cpu", torch.float32)
 
 
+def test_the_engine_device_is_chosen_explicitly_and_checked():
+    from engine.attention import make_attention_backend
+    from engine.platform import resolve_device
+
+    assert resolve_device("auto") == torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    assert resolve_device("cpu") == torch.device("cpu")
+    with pytest.raises(ValueError, match="not supported"):
+        resolve_device("mps")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="CUDA is not available"):
+            resolve_device("cuda")
+    with pytest.raises(ValueError, match="torch attention backend runs on the CPU"):
+        make_attention_backend("torch", "cuda", torch.bfloat16)
+
+
 @pytest.fixture(scope="module")
 def tiny_prompts():
     rng = random.Random(11)
