@@ -41,11 +41,17 @@ def scaling_events(server, role: str, event: str) -> float:
     return pool_metrics(server)[("tandem:pool_scaling_events_total", role, event)]
 
 
-def prompt_tokens_computed(server) -> dict[str, float]:
+def worker_counter(server, field: str, role: str) -> dict[str, float]:
+    """A Stats field per worker address of ``role`` (``tandem:worker_<field>``)."""
     text = httpx.get(f"{server.base_url}/metrics", timeout=10).text
     return {sample.labels["address"]: sample.value for family in text_string_to_metric_families(text)
             for sample in family.samples
-            if sample.name == "tandem:worker_num_prompt_tokens_computed" and sample.labels["role"] == "prefill"}
+            if sample.name == f"tandem:worker_{field}" and sample.labels["role"] == role}
+
+
+def both_worked(server, field: str, role: str) -> bool:
+    counts = worker_counter(server, field, role)
+    return len(counts) == 2 and min(counts.values()) > 0
 
 
 def worker_actors(server) -> int:
@@ -104,8 +110,8 @@ def test_prefill_pool_grows_under_a_burst_and_shrinks_when_quiet(smollm_dir, llm
                 index += 1
 
         second = asyncio.run(burst(range(16, 32)))  # spread over both workers now
-        both_worked = lambda: (c := prompt_tokens_computed(server)) and len(c) == 2 and min(c.values()) > 0  # noqa: E731
-        wait_until(both_worked, timeout_s=10, what="both prefill workers to have computed prompts")
+        wait_until(lambda: both_worked(server, "num_prompt_tokens_computed", "prefill"), timeout_s=10,
+                   what="both prefill workers to have computed prompts")
         sender = threading.Thread(target=keep_sending)
         sender.start()
         try:
@@ -125,5 +131,48 @@ def test_prefill_pool_grows_under_a_burst_and_shrinks_when_quiet(smollm_dir, llm
         for index, tokens in served.items():
             assert_same_tokens_as_text(tokens, references[index], stats, label=f"prompt {index}")
         assert not any("Traceback" in line for line in server.log)
+    finally:
+        server.stop()
+
+
+def test_decode_pool_grows_when_sequences_wait_and_shrinks_when_quiet(smollm_dir, llm):
+    """Colocated: decode workers hold at most 2 sequences (--max-num-seqs 2), so 8 concurrent
+    requests leave sequences waiting; the pool grows to 2, then drains back to 1."""
+    server = start_server(smollm_dir, "colocated", "--decode-workers", "1:2", "--max-num-seqs", "2",
+                          "--decode-queue-target", "1", "--scale-up-window", "1", "--scale-down-window", "5",
+                          "--autoscale-interval", "0.25")
+    try:
+        assert ready_workers(server, "decode") == 1 and worker_actors(server) == 1
+        rng = random.Random(3)
+        prompts = [[rng.randrange(200, 40000) for _ in range(24)] for _ in range(16)]
+        params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=2)
+        references = [output.outputs[0] for output in llm.generate(prompts, params)]
+
+        async def burst(indices) -> dict[int, list[str]]:
+            async with openai.AsyncOpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0,
+                                          timeout=300) as api:
+                async def one(index: int) -> list[str]:
+                    reply = await api.completions.create(model=MODEL, prompt=prompts[index], max_tokens=24,
+                                                         temperature=0, logprobs=1, extra_body={"ignore_eos": True})
+                    assert reply.choices[0].finish_reason == "length"
+                    return reply.choices[0].logprobs.tokens
+
+                return dict(zip(indices, await asyncio.gather(*(one(i) for i in indices))))
+
+        served = asyncio.run(burst(range(0, 8)))
+        wait_until(lambda: scaling_events(server, "decode", "up") == 1, timeout_s=180, what="the decode pool to grow")
+        wait_until(lambda: ready_workers(server, "decode") == 2, timeout_s=60, what="the new decode worker")
+        assert worker_actors(server) == 2
+        served |= asyncio.run(burst(range(8, 16)))  # both workers take sequences now
+        wait_until(lambda: both_worked(server, "num_generation_tokens", "decode"), timeout_s=10,
+                   what="both decode workers to have generated tokens")
+        wait_until(lambda: scaling_events(server, "decode", "down") == 1, timeout_s=120,
+                   what="the decode pool to shrink")
+        wait_until(lambda: worker_actors(server) == 1, timeout_s=30, what="the drained actor to exit")
+        assert ready_workers(server, "decode") == 1
+        stats = EqualityStats()
+        for index, tokens in served.items():
+            assert_same_tokens_as_text(tokens, references[index], stats, label=f"prompt {index}")
+        assert len(served) == 16
     finally:
         server.stop()
