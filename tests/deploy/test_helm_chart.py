@@ -385,6 +385,14 @@ def _check_secret_references(docs, values, templates) -> None:
                                                  values["secrets"]["apiKeyExistingSecret"]["name"])
     for name in ("TANDEM_CLUSTER_SECRET", "RAY_AUTH_TOKEN"):
         assert "secretKeyRef" in head_env[name]["valueFrom"]
+    # every Ray process authenticates with the same token: head, workers and the autoscaler
+    cluster = one(docs, "RayCluster")
+    token_refs = [{e["name"]: e for e in env}["RAY_AUTH_TOKEN"]["valueFrom"]["secretKeyRef"]
+                  for env in [cluster["spec"]["autoscalerOptions"]["env"],
+                              *(t["spec"]["containers"][0]["env"] for c, t in templates.items() if c != "redis")]]
+    assert len({(r["name"], r["key"]) for r in token_refs}) == 1, token_refs
+    for ref in token_refs:
+        assert ref["key"] in chart_secrets.get(ref["name"], ()) or (ref["name"], ref["key"]) in existing
 
 
 def _check_exposure(docs, values, router, templates) -> None:

@@ -65,6 +65,9 @@ def test_kuberay_raycluster():
     assert (cluster["apiVersion"], cluster["kind"]) == ("ray.io/v1", "RayCluster")
     spec = cluster["spec"]
     assert spec["enableInTreeAutoscaling"] is True
+    autoscaler_env = {e["name"]: e for e in spec["autoscalerOptions"]["env"]}
+    assert autoscaler_env["RAY_AUTH_MODE"]["value"] == "token"
+    assert autoscaler_env["RAY_AUTH_TOKEN"]["valueFrom"]["secretKeyRef"]["name"] == "tandem-secrets"
     head = spec["headGroupSpec"]["template"]["spec"]["containers"][0]
     assert cluster["metadata"]["annotations"]["ray.io/overwrite-container-cmd"] == "true"
     script = head["args"][-1]
