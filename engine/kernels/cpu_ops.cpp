@@ -211,9 +211,41 @@ torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor kv_cache
   return out;
 }
 
+// y = x W^T (+ b) in float32 for a few rows of x (decode batches): each weight row is read from
+// memory once and dotted with every row of x while it sits in L1. BLAS kernels treat a
+// handful of rows as that many matrix-vector products and stream the weight once per row.
+torch::Tensor skinny_linear_f32(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat,
+              "skinny_linear_f32: contiguous float32 x [rows, in]");
+  TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous() && weight.scalar_type() == at::kFloat &&
+                  weight.size(1) == x.size(1),
+              "skinny_linear_f32: contiguous float32 weight [out, in] matching x");
+  const int64_t rows = x.size(0), in = x.size(1), out_features = weight.size(0);
+  TORCH_CHECK(rows >= 1 && rows <= 16, "skinny_linear_f32: 1 to 16 rows, got ", rows);
+  const float* b = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->is_contiguous() && bias->scalar_type() == at::kFloat && bias->numel() == out_features,
+                "skinny_linear_f32: float32 bias [out]");
+    b = bias->data_ptr<float>();
+  }
+  auto out = torch::empty({rows, out_features}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const float* wp = weight.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, out_features, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n) {
+      const float* w = wp + n * in;
+      const float add = b ? b[n] : 0.f;
+      for (int64_t r = 0; r < rows; ++r) op[r * out_features + n] = dot_f32(xp + r * in, w, in) + add;
+    }
+  });
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm_", &add_rms_norm_, "residual += delta; rms_norm(residual) * weight");
   m.def("silu_mul", &silu_mul, "silu(gate) * up");
   m.def("rope_", &rope_, "in-place RoPE on interleaved pairs");
   m.def("paged_decode_attention", &paged_decode_attention, "decode attention through block tables");
+  m.def("skinny_linear_f32", &skinny_linear_f32, "x W^T (+ b) for a few rows, the weight read once");
 }

@@ -112,3 +112,46 @@ def test_paged_decode_attention_validates_inputs(ops):
         ops.paged_decode_attention(query, cache, torch.tensor([[7]]), torch.tensor([3]), 0.125)
     with pytest.raises(RuntimeError, match="bad seq_len"):
         ops.paged_decode_attention(query, cache, torch.tensor([[0]]), torch.tensor([17]), 0.125)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 16])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_skinny_linear_matches_a_float64_product_and_rows_do_not_interact(ops, rows, with_bias):
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 576, generator=g)
+    weight = torch.randn(1536, 576, generator=g)
+    bias = torch.randn(1536, generator=g) if with_bias else None
+    got = ops.skinny_linear_f32(x, weight, bias)
+    expected = x.double() @ weight.double().T + (bias.double() if with_bias else 0)
+    torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-4)
+    # each row alone gives the same bits: a decode's logits do not depend on its batch-mates
+    for r in range(rows):
+        assert torch.equal(ops.skinny_linear_f32(x[r:r + 1].contiguous(), weight, bias)[0], got[r])
+
+
+def test_skinny_linear_validates_inputs(ops):
+    x, weight = torch.randn(2, 64), torch.randn(32, 64)
+    for bad_x, bad_w, match in [(x.double(), weight, "float32 x"), (x.T, torch.randn(32, 2), "contiguous float32 x"),
+                                (x, weight[:, :32], "matching x"), (torch.randn(17, 64), weight, "1 to 16 rows")]:
+        with pytest.raises(RuntimeError, match=match):
+            ops.skinny_linear_f32(bad_x, bad_w, None)
+    with pytest.raises(RuntimeError, match="bias"):
+        ops.skinny_linear_f32(x, weight, torch.randn(31))
+
+
+def test_float32_linear_layers_use_the_skinny_kernel_for_decode_batches_only(ops, monkeypatch):
+    from engine.models import linear as linear_module
+    from engine.models.linear import Linear
+
+    layer = Linear(64, 32, bias=True)
+    torch.nn.init.normal_(layer.weight)
+    torch.nn.init.normal_(layer.bias)
+    layer.pack()
+    calls = []
+    real = ops.skinny_linear_f32
+    monkeypatch.setattr(layer, "_skinny", type("Spy", (), {
+        "skinny_linear_f32": staticmethod(lambda *a: calls.append(a[0].shape[0]) or real(*a))})())
+    for rows in (1, linear_module.SKINNY_MAX_ROWS, linear_module.SKINNY_MAX_ROWS + 1, 40):
+        x = torch.randn(rows, 64)
+        torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
+    assert calls == [1, linear_module.SKINNY_MAX_ROWS]
