@@ -99,7 +99,7 @@ def copy_bandwidth(device: str, nbytes: int, bench) -> float:
 
 
 def time_decode(device: str, bench, batches, contexts) -> list[dict]:
-    from engine.triton_ops.paged_decode import decode_bytes_read, paged_decode_attention
+    from engine.triton_ops.paged_decode import paged_decode_attention
 
     rows = []
     for context in contexts:
@@ -111,7 +111,7 @@ def time_decode(device: str, bench, batches, contexts) -> list[dict]:
             lens = torch.full((batch,), context, dtype=torch.int32, device=device)
             query = torch.randn(batch, HEADS, HEAD_DIM, device=device, dtype=torch.bfloat16)
             out = torch.empty_like(query)
-            nbytes = decode_bytes_read([context] * batch, KV_HEADS, HEAD_DIM, 2)
+            nbytes = batch * context * 2 * KV_HEADS * HEAD_DIM * 2  # the K and V (bf16) each step must read
             timed = {}
             for label, splits in (("auto", None), ("1", 1)):
                 ms = bench(lambda s=splits: paged_decode_attention(query, cache, tables, lens, out=out,

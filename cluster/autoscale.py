@@ -120,26 +120,23 @@ class _PoolState:
     decider: ScaleDecider
     changing: asyncio.Task | None = None
     starting: int = 0
-    draining: int = 0
     events: dict[str, int] = field(default_factory=lambda: {"up": 0, "down": 0, "failed": 0})
 
 
 class PoolAutoscaler:
     """The loop that applies ScaleDecider to the router's WorkerPool.
 
-    ``start_worker(role)`` starts one worker and returns ``(address, handle)`` (blocking: it
-    runs in a thread); ``stop_worker(handle)`` stops one (blocking too). ``stats_poll`` is how
-    often the pool refreshes Stats: a drained worker leaves only after a poll taken after its
-    last request finished shows it empty."""
+    ``start_worker(role)`` starts one worker and returns its address; ``stop_worker(address)``
+    stops one. Both block (they run in a thread). A drained worker is stopped only after a
+    Stats poll taken after its last request finished shows it empty."""
 
     def __init__(self, pool, sizes: dict[str, PoolSize], rules: dict[str, ScaleRule],
-                 start_worker: Callable[[str], tuple[str, object]], stop_worker: Callable[[object], None],
-                 handles: dict[str, object], interval_s: float = 2.0, drain_timeout_s: float = 30.0,
+                 start_worker: Callable[[str], str], stop_worker: Callable[[str], None],
+                 interval_s: float = 2.0, drain_timeout_s: float = 30.0,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.pool = pool
         self.pools = {role: _PoolState(ScaleDecider(sizes[role], rules[role])) for role in sizes}
         self._start_worker, self._stop_worker = start_worker, stop_worker
-        self.handles = handles  # address -> the handle start_worker gave (those from startup too)
         self.interval_s, self.drain_timeout_s, self._clock = interval_s, drain_timeout_s, clock
         self._task: asyncio.Task | None = None
 
@@ -178,7 +175,7 @@ class PoolAutoscaler:
         logger.info("autoscaling: adding a %s worker", role)
         state.starting += 1
         try:
-            address, handle = await asyncio.get_running_loop().run_in_executor(None, self._start_worker, role)
+            address = await asyncio.get_running_loop().run_in_executor(None, self._start_worker, role)
         except Exception as exc:  # no node came up, or the worker failed: try again after a window
             state.events["failed"] += 1
             logger.warning("autoscaling: a new %s worker did not start: %s", role, exc)
@@ -186,7 +183,6 @@ class PoolAutoscaler:
             return
         finally:
             state.starting -= 1
-        self.handles[address] = handle
         self.pool.add_workers(role, [address])
         state.events["up"] += 1
         logger.info("autoscaling: %s worker %s joined (%d now)", role, address, len(self.pool.routable(role)))
@@ -196,22 +192,18 @@ class PoolAutoscaler:
         # the emptiest worker; among equals the newest (the pool's order is start order)
         worker = min(reversed(workers), key=lambda w: (not is_empty(w), w.in_flight, w.prompt_tokens_in_flight))
         worker.draining = True
-        state.draining += 1
         logger.info("autoscaling: draining %s worker %s", role, worker.address)
         try:
             await self._wait_empty(worker)
             self.pool.remove_worker(worker)
-            handle = self.handles.pop(worker.address, None)
-            if handle is not None:
-                try:
-                    await asyncio.get_running_loop().run_in_executor(None, self._stop_worker, handle)
-                except Exception as exc:  # out of routing already; shutdown kills what is left
-                    logger.warning("autoscaling: stopping %s worker %s failed: %s", role, worker.address, exc)
+            try:
+                await asyncio.get_running_loop().run_in_executor(None, self._stop_worker, worker.address)
+            except Exception as exc:  # out of routing already; shutdown kills what is left
+                logger.warning("autoscaling: stopping %s worker %s failed: %s", role, worker.address, exc)
             state.events["down"] += 1
             logger.info("autoscaling: %s worker %s stopped (%d now)", role, worker.address,
                         len(self.pool.routable(role)))
         finally:
-            state.draining -= 1
             state.decider.restart(self._clock())
 
     async def _wait_empty(self, worker: WorkerView) -> None:
@@ -244,7 +236,7 @@ class PoolAutoscaler:
             routable = self.pool.routable(role)
             workers.add_metric([role, "ready"], sum(w.healthy for w in routable))
             workers.add_metric([role, "starting"], state.starting)
-            workers.add_metric([role, "draining"], state.draining)
+            workers.add_metric([role, "draining"], sum(w.draining for w in self.pool.views(role)))
             bounds.add_metric([role, "min"], state.decider.size.min)
             bounds.add_metric([role, "max"], state.decider.size.max)
             queue.add_metric([role], pool_queue(role, routable) / max(1, len(routable)))

@@ -55,7 +55,7 @@ def add_serve_parser(commands) -> None:
     p.add_argument("--scale-up-window", type=float, default=_env("SCALE_UP_WINDOW", 10.0, float),
                    help="autoscaling: seconds a queue must stay above its target before a worker is added")
     p.add_argument("--scale-down-window", type=float, default=_env("SCALE_DOWN_WINDOW", 60.0, float),
-                   help="autoscaling: seconds a pool must stay idle before one worker drains and stops")
+                   help="autoscaling: seconds a pool must stay quiet before one worker drains and stops")
     p.add_argument("--autoscale-interval", type=float, default=_env("AUTOSCALE_INTERVAL", 2.0, float),
                    help="autoscaling: seconds between looks at the queues")
     p.add_argument("--worker-threads", type=int, default=_env("WORKER_THREADS", 1, int),
@@ -151,7 +151,7 @@ def run_serve(args: argparse.Namespace) -> int:
     else:
         init_ray(address=args.ray_address, logging_level="warning")
     secret = os.environ.get("TANDEM_CLUSTER_SECRET") or secrets.token_urlsafe(32)
-    handles: list = []  # every worker launched, whatever happens next, so that all are stopped
+    handles: dict = {}  # address -> every worker launched, whatever happens next, so that all are stopped
     from cluster.actors import WorkerStartupError
     from cluster.redis_server import PrivateRedis
 
@@ -166,7 +166,7 @@ def run_serve(args: argparse.Namespace) -> int:
         _say(f"error: {exc}")
         return 1
     finally:
-        for handle in handles:
+        for handle in handles.values():
             ray.kill(handle.actor, no_restart=True)
         if started_ray:
             ray.shutdown()
@@ -177,9 +177,10 @@ def run_serve(args: argparse.Namespace) -> int:
 
 class _Workers:
     """Starts and stops this command's workers (blocking calls: run them in threads). Every
-    worker started is in ``handles`` until it is stopped, so that shutdown stops them all."""
+    worker started is in ``handles`` (address -> WorkerHandle) until it is stopped, so that
+    shutdown stops them all."""
 
-    def __init__(self, engine, args, secret: str, handles: list) -> None:
+    def __init__(self, engine, args, secret: str, handles: dict) -> None:
         from cluster.actors import Placement
         from decode_worker.worker import DecodeWorkerConfig
         from kv_transfer.prefix_events import PrefixIndexConfig
@@ -198,23 +199,24 @@ class _Workers:
                            "decode": replace(placement, num_gpus=args.decode_gpus)}
         self.handles = handles
 
-    def start(self, role: str):
-        """One worker, once it serves: (address, handle)."""
+    def start(self, role: str) -> str:
+        """One worker, once it serves: its address."""
         from cluster.actors import launch_worker
 
         handle = launch_worker(role, self.configs[role], self.placements[role])
-        self.handles.append(handle)
-        return handle.address, handle
+        self.handles[handle.address] = handle
+        return handle.address
 
-    def stop(self, handle, timeout_s: float = 30.0) -> None:
+    def stop(self, address: str, timeout_s: float = 30.0) -> None:
         import ray
 
+        handle = self.handles[address]
         try:
             ray.get(handle.actor.stop.remote(), timeout=timeout_s)
         except Exception as exc:  # it is killed next either way
             _say(f"{handle.role} worker {handle.address} did not stop cleanly: {exc}")
         ray.kill(handle.actor, no_restart=True)
-        self.handles.remove(handle)
+        del self.handles[address]
 
     def launch(self, counts: dict[str, int], threads: int) -> None:
         """Start the pools in parallel (blocking); then raise the first failure, if any."""
@@ -225,7 +227,7 @@ class _Workers:
         with ThreadPoolExecutor(len(roles)) as pool:
             pending = [pool.submit(self.start, role) for role in roles]
         errors = [future.exception() for future in pending if future.exception() is not None]
-        for handle in self.handles:
+        for handle in self.handles.values():
             _say(f"{handle.role} worker ready at {handle.address}")
         if errors:
             raise errors[0]
@@ -233,7 +235,7 @@ class _Workers:
 
 
 def _serve(args, info, engine, max_model_len: int, sizes: dict[str, PoolSize], policy, secret: str,
-           handles: list) -> int:
+           handles: dict) -> int:
     """HTTP and gRPC come up first (not ready: /ready 503, health NOT_SERVING), then the
     workers start; the server turns ready when they are."""
     import uvicorn
@@ -256,7 +258,7 @@ def _serve(args, info, engine, max_model_len: int, sizes: dict[str, PoolSize], p
     workers = _Workers(engine, args, secret, handles)
     rules = {"prefill": ScaleRule(args.prefill_queue_target, args.scale_up_window, args.scale_down_window),
              "decode": ScaleRule(args.decode_queue_target, args.scale_up_window, args.scale_down_window)}
-    autoscaler = PoolAutoscaler(pool, sizes, rules, workers.start, workers.stop, {}, args.autoscale_interval,
+    autoscaler = PoolAutoscaler(pool, sizes, rules, workers.start, workers.stop, args.autoscale_interval,
                                 args.drain_timeout)
     state.registry.register(autoscaler)
     tls = None
@@ -296,10 +298,9 @@ def _serve(args, info, engine, max_model_len: int, sizes: dict[str, PoolSize], p
                 await asyncio.wait({launch, serving}, return_when=asyncio.FIRST_COMPLETED)
                 if launch.done():
                     launch.result()  # a worker that did not start stops everything, with its error
-                    pool.add_workers("decode", [h.address for h in handles if h.role == "decode"])
-                    pool.add_workers("prefill", [h.address for h in handles if h.role == "prefill"])
+                    for role in sizes:
+                        pool.add_workers(role, [h.address for h in handles.values() if h.role == role])
                     await pool.start()
-                    autoscaler.handles.update((h.address, h) for h in handles)
                     if any(size.autoscaled for size in sizes.values()):
                         await autoscaler.start()
                         _say("autoscaling: " + ", ".join(f"{role} {size}" for role, size in sizes.items()))

@@ -61,8 +61,8 @@ class LLM:
         place = resolve_device(device)
         if resolved is None:
             resolved = auto_dtype(place.type, arch.hidden_size, arch.intermediate_size)
-            print(f"[tandem] dtype auto -> {str(resolved).removeprefix('torch.')} (timed on this CPU)",
-                  file=sys.stderr, flush=True)
+            how = "timed on this CPU" if place.type == "cpu" else f"on {place.type}"
+            print(f"[tandem] dtype auto -> {str(resolved).removeprefix('torch.')} ({how})", file=sys.stderr, flush=True)
         max_model_len = resolve_max_model_len(arch, max_model_len)
         model_config = ModelConfig(
             model_dir=info.model_dir,

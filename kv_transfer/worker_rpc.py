@@ -1,7 +1,7 @@
 """What both workers share on the wire: the grpc.aio server they serve their RPCs and the KV
 stream on (one port per worker, the cluster secret checked on every call but the standard
-health service's), and the
-conversions between the worker protos and the engine's types (done here, at the edge)."""
+health service's), and the conversions between the worker protos and the engine's types
+(done here, at the edge)."""
 
 from __future__ import annotations
 

@@ -41,12 +41,15 @@ class WorkerPool:
 
     def add_workers(self, role: str, addresses: list[str]) -> None:
         """Workers that started after the pool was made (they join routing once healthy)."""
-        views = self.decode if role == "decode" else self.prefill
-        views.extend(WorkerView(role, address) for address in addresses)
+        self.views(role).extend(WorkerView(role, address) for address in addresses)
+
+    def views(self, role: str) -> list[WorkerView]:
+        """The role's workers, draining ones included (the pool's own list)."""
+        return self.decode if role == "decode" else self.prefill
 
     def remove_worker(self, worker: WorkerView) -> None:
         """A worker that left (drained, then stopped): out of routing, health polls and metrics."""
-        views = self.decode if worker.role == "decode" else self.prefill
+        views = self.views(worker.role)
         if worker in views:
             views.remove(worker)
         self._last_seen.pop(worker.address, None)
@@ -54,9 +57,10 @@ class WorkerPool:
         if channel is not None:
             asyncio.get_running_loop().create_task(channel.close())
 
-    def routable(self, role: str) -> list[WorkerView]:
-        """The role's workers that take new requests (healthy or not; draining ones do not)."""
-        return [w for w in (self.decode if role == "decode" else self.prefill) if not w.draining]
+    def routable(self, role: str, exclude: frozenset[str] = frozenset()) -> list[WorkerView]:
+        """The role's workers that take new requests (healthy or not; draining ones and
+        ``exclude`` addresses do not)."""
+        return [w for w in self.views(role) if not w.draining and w.address not in exclude]
 
     # -- stubs --------------------------------------------------------------------------------
     def _channel(self, address: str) -> grpc.aio.Channel:
@@ -125,13 +129,12 @@ class WorkerPool:
     # -- dispatch -----------------------------------------------------------------------------
     def assign(self, exclude: frozenset[str] = frozenset(), route: RouteRequest | None = None) -> Assignment | None:
         """A decode worker and (disaggregated) a prefill worker, avoiding ``exclude`` addresses."""
-        decode = self._policy.pick([w for w in self.routable("decode") if w.address not in exclude], route)
+        decode = self._policy.pick(self.routable("decode", exclude), route)
         if decode is None:
             return None
-        prefill_pool = self.routable("prefill")
-        if not prefill_pool:
+        if not self.routable("prefill"):
             return Assignment(decode, None)
-        prefill = self._policy.pick([w for w in prefill_pool if w.address not in exclude], route)
+        prefill = self._policy.pick(self.routable("prefill", exclude), route)
         if prefill is None:
             return None
         return Assignment(decode, prefill)

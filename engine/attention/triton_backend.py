@@ -9,6 +9,9 @@ from dataclasses import dataclass
 import torch
 
 from engine.attention.backend import AttentionBackend, BatchLayout
+from engine.triton_ops.kv_write import write_kv  # imports triton: this module loads only when chosen
+from engine.triton_ops.paged_decode import paged_decode_attention
+from engine.triton_ops.paged_prefill import paged_prefill_attention
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,12 +40,8 @@ class TritonAttentionBackend(AttentionBackend):
     prefill chunks through paged_prefill_attention, K/V written by write_kv."""
 
     def __init__(self, dtype: torch.dtype, device: torch.device | str = "cuda") -> None:
-        from engine.triton_ops import kv_write, paged_decode, paged_prefill  # imports triton
-
         self.dtype = dtype
         self.device = torch.device(device)
-        self._write, self._decode, self._prefill = (kv_write.write_kv, paged_decode.paged_decode_attention,
-                                                    paged_prefill.paged_prefill_attention)
 
     def build_metadata(self, layout: BatchLayout) -> TritonAttentionMetadata:
         n_dec = layout.num_decodes
@@ -64,14 +63,15 @@ class TritonAttentionBackend(AttentionBackend):
         )
 
     def forward(self, query, key_value, kv_cache, metadata: TritonAttentionMetadata):
-        self._write(key_value, kv_cache, metadata.slot_mapping)
+        write_kv(key_value, kv_cache, metadata.slot_mapping)
         out = torch.empty_like(query)
         n_dec = metadata.num_decodes
         scale = query.shape[-1] ** -0.5
         if n_dec:
-            self._decode(query[:n_dec], kv_cache, metadata.decode_block_tables, metadata.decode_seq_lens, scale,
-                         out=out[:n_dec], max_seq_len=metadata.max_decode_len)
+            paged_decode_attention(query[:n_dec], kv_cache, metadata.decode_block_tables, metadata.decode_seq_lens,
+                                   scale, out=out[:n_dec], max_seq_len=metadata.max_decode_len)
         if metadata.max_prefill_len:
-            self._prefill(query[n_dec:], kv_cache, metadata.prefill_block_tables, metadata.prefill_seq_lens,
-                          metadata.prefill_cu_seqlens, metadata.max_prefill_len, scale, out=out[n_dec:])
+            paged_prefill_attention(query[n_dec:], kv_cache, metadata.prefill_block_tables,
+                                    metadata.prefill_seq_lens, metadata.prefill_cu_seqlens, metadata.max_prefill_len,
+                                    scale, out=out[n_dec:])
         return out

@@ -8,10 +8,10 @@ copy of the weights in memory.
 
 float32 on CPU: up to ``SKINNY_MAX_ROWS`` rows (decode batches) go to ``skinny_linear_f32``
 (engine/kernels/cpu_ops.cpp), which reads each weight row once for all rows of x; BLAS treats
-a few rows as as many matrix-vector products and streams the weight once per row. Measured
-on a 2-core AMD EPYC, one thread, SmolLM2-135M's 90 matmuls: 1 row 15.0 vs 31.7 ms, 2 rows
-20.8 vs 49.8 ms, 4 rows 28.8 vs 42.3 ms; at 8 rows BLAS is faster (50.9 vs 64.9 ms). Each
-row's result does not depend on the other rows. See `tandem bench engine`.
+a few rows as as many matrix-vector products and streams the weight once per row. Timing both
+on SmolLM2-135M's matmuls put the crossover between 4 rows (the kernel ahead) and 8 (BLAS
+ahead). Each row's result does not depend on the other rows. README's small-batch float32
+table (`tandem bench engine --dtypes float32 --batch-sizes 1,2,4`) shows the effect.
 """
 
 from __future__ import annotations
@@ -55,7 +55,8 @@ class Linear(nn.Module):
         """Prepare the weight for the fastest kernels of its dtype (bfloat16 and float32 on
         CPU); a no-op elsewhere."""
         if self.weight.device.type == "cpu" and self.weight.dtype == torch.float32:
-            self._skinny = cpu_ops.load()  # None where the native ops do not build (or are disabled)
+            if self.weight.is_contiguous():
+                self._skinny = cpu_ops.load()  # None where the native ops do not build (or are disabled)
             return
         if self._packed is not None or not can_pack(self.weight.dtype, self.weight.device):
             return
@@ -73,21 +74,15 @@ class Linear(nn.Module):
     def _native(self, x: torch.Tensor) -> bool:
         return self._gemv is not None and x.shape[0] <= cpu_gemv.MAX_BATCH
 
-    def _skinny_rows(self, x: torch.Tensor) -> bool:
-        return (self._skinny is not None and x.shape[0] <= SKINNY_MAX_ROWS and x.dtype == torch.float32
-                and self.weight.is_contiguous())
-
     def forward_float32(self, x: torch.Tensor) -> torch.Tensor:  # [n, in] -> [n, out] float32
         """The same product with a float32 result. The native kernel accumulates in float32
         and can skip the rounding to bfloat16 (logits keep their real margins)."""
-        if self._skinny_rows(x):
-            return self._skinny.skinny_linear_f32(x.contiguous(), self.weight, self.bias)
         if self._native(x):
             return self._gemv.gemv_bf16(x.contiguous(), self.weight, self.bias, True)
         return self(x).float()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [n, in] -> [n, out]
-        if self._skinny_rows(x):
+        if self._skinny is not None and x.shape[0] <= SKINNY_MAX_ROWS:
             return self._skinny.skinny_linear_f32(x.contiguous(), self.weight, self.bias)
         if self._native(x):
             return self._gemv.gemv_bf16(x.contiguous(), self.weight, self.bias)

@@ -235,9 +235,3 @@ def paged_decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_ta
                                                  NUM_HEADS=num_heads, NUM_SPLITS=num_splits,
                                                  SPLITS_PAD=next_power_of_2(num_splits), HEAD_DIM=head_dim)
     return out
-
-
-def decode_bytes_read(seq_lens: list[int], num_kv_heads: int, head_dim: int, element_size: int) -> int:
-    """K and V bytes a decode step must read (for achieved-bandwidth numbers)."""
-    return sum(seq_lens) * 2 * num_kv_heads * head_dim * element_size
-

@@ -96,11 +96,11 @@ def make_scaler(size: PoolSize, started: list, stopped: list, clock: Clock, fail
             raise RuntimeError("no node offers 'prefill'")
         address = f"{role}:{len(started) + 2}"
         started.append(address)
-        return address, f"handle of {address}"
+        return address
 
     scaler = PoolAutoscaler(pool, {"prefill": size, "decode": PoolSize(1, 1)},
                             {"prefill": RULE, "decode": RULE}, start_worker, stopped.append,
-                            {"prefill:1": "handle of prefill:1"}, drain_timeout_s=60, clock=clock)
+                            drain_timeout_s=60, clock=clock)
     return pool, scaler
 
 
@@ -111,7 +111,6 @@ def two_prefill_workers(clock: Clock, stopped: list, second_stats: pb.WorkerStat
     pool.add_workers("prefill", ["prefill:2"])
     second = pool.prefill[1]
     second.healthy, second.stats = True, second_stats
-    scaler.handles["prefill:2"] = "handle of prefill:2"
     scaler.step()
     return pool, scaler, second
 
@@ -132,7 +131,6 @@ def test_a_long_queue_adds_a_worker_that_joins_routing():
         scaler.step()
         await settle(scaler)
         assert started == ["prefill:2"] and [w.address for w in pool.prefill] == ["prefill:1", "prefill:2"]
-        assert scaler.handles["prefill:2"] == "handle of prefill:2"
         clock.now = 100
         scaler.step()  # at MAX: nothing more, however long the queue
         await settle(scaler)
@@ -181,6 +179,9 @@ def test_shrinking_drains_first_then_stops_and_new_requests_avoid_the_draining_w
         assert newest.draining and not pool.prefill[0].draining
         # work that was already there when the drain began (the router's and the worker's own)
         newest.in_flight, newest.stats = 1, stats(running=1, held=1)
+        draining = {tuple(s.labels.values()): s.value for f in scaler.collect() if f.name == "tandem:pool_workers"
+                    for s in f.samples}
+        assert draining[("prefill", "draining")] == 1 and draining[("prefill", "ready")] == 1
         for _ in range(20):  # every new request goes to the other worker
             assert pool.assign().prefill.address == "prefill:1"
         await asyncio.sleep(0.3)
@@ -193,12 +194,12 @@ def test_shrinking_drains_first_then_stops_and_new_requests_avoid_the_draining_w
         assert stopped == []
         newest.stats = stats()  # a poll after the last request: empty
         await settle(scaler)
-        assert stopped == ["handle of prefill:2"] and [w.address for w in pool.prefill] == ["prefill:1"]
-        assert "prefill:2" not in scaler.handles and scaler.pools["prefill"].events["down"] == 1
+        assert stopped == ["prefill:2"] and [w.address for w in pool.prefill] == ["prefill:1"]
+        assert scaler.pools["prefill"].events["down"] == 1
         clock.now = 1000
         scaler.step()  # at MIN: stays
         await settle(scaler)
-        assert stopped == ["handle of prefill:2"]
+        assert stopped == ["prefill:2"]
 
     asyncio.run(main())
 
@@ -216,6 +217,6 @@ def test_a_drain_that_outlives_its_deadline_stops_the_worker_anyway():
         assert stopped == []
         clock.now = 100  # past the drain deadline
         await settle(scaler)
-        assert [w.address for w in pool.prefill] == ["prefill:2"] and stopped == ["handle of prefill:1"]
+        assert [w.address for w in pool.prefill] == ["prefill:2"] and stopped == ["prefill:1"]
 
     asyncio.run(main())
