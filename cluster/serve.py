@@ -29,6 +29,26 @@ def _env(name: str, default, kind=str):
     return default if value is None else kind(value)
 
 
+def _gpus(text: str) -> float:
+    value = float(text)
+    if not 0 <= value <= 64:
+        raise argparse.ArgumentTypeError(f"{text}: GPUs per worker must be in [0, 64]")
+    return value
+
+
+def worker_gpus(requested: float | None, device: str, cluster_gpus: float) -> float:
+    """GPUs one worker asks Ray for. Unset: one GPU when the cluster has any and the device may
+    be CUDA, else none. ``--device cuda`` with no GPU for the worker is an error here, before
+    any worker starts (it would only fail inside the actor, where Ray hides every GPU)."""
+    gpus = requested if requested is not None else (1.0 if device != "cpu" and cluster_gpus >= 1 else 0.0)
+    if device == "cuda" and gpus == 0:
+        why = "the Ray cluster has no GPU" if cluster_gpus < 1 else "a worker that asks Ray for 0 GPUs sees none"
+        raise ValueError(f"--device cuda, but {why} (give workers GPUs with --prefill-gpus / --decode-gpus)")
+    if device == "cpu" and gpus > 0:
+        raise ValueError("--device cpu with GPUs for the workers would leave them idle; use --device auto or cuda")
+    return gpus
+
+
 def add_serve_parser(commands) -> None:
     from engine.models.registry import DEFAULT_MODEL
 
@@ -60,10 +80,11 @@ def add_serve_parser(commands) -> None:
                    help="autoscaling: seconds between looks at the queues")
     p.add_argument("--worker-threads", type=int, default=_env("WORKER_THREADS", 1, int),
                    help="torch threads each worker pins")
-    p.add_argument("--prefill-gpus", type=float, default=_env("PREFILL_GPUS", 0.0, float),
-                   help="GPUs each prefill worker asks Ray for (Ray hides the GPUs from an actor that asks for none)")
-    p.add_argument("--decode-gpus", type=float, default=_env("DECODE_GPUS", 0.0, float),
-                   help="GPUs each decode worker asks Ray for")
+    p.add_argument("--prefill-gpus", type=_gpus, default=_env("PREFILL_GPUS", None, _gpus),
+                   help="GPUs each prefill worker asks Ray for (Ray hides the GPUs from an actor that asks for "
+                        "none); default: 1 where the Ray cluster has GPUs and --device is not cpu, else 0")
+    p.add_argument("--decode-gpus", type=_gpus, default=_env("DECODE_GPUS", None, _gpus),
+                   help="GPUs each decode worker asks Ray for (default: as --prefill-gpus)")
     p.add_argument("--worker-port", type=int, default=_env("WORKER_PORT", 0, int), help="0: any free port")
     p.add_argument("--ray-address", default=_env("RAY_ADDRESS", None), help="join this Ray cluster (default: start one)")
     p.add_argument("--api-key", default=_env("API_KEY", None))
@@ -75,7 +96,7 @@ def add_serve_parser(commands) -> None:
     p.add_argument("--attention-backend", choices=["auto", "torch", "triton"],
                    default=_env("ATTENTION_BACKEND", "auto"),
                    help="auto: Triton kernels on CUDA, torch on the CPU; triton where it cannot run is an error")
-    p.add_argument("--device", choices=["cpu", "cuda", "auto"], default=_env("DEVICE", "cpu"),
+    p.add_argument("--device", choices=["cpu", "cuda", "auto"], default=_env("DEVICE", "auto"),
                    help="where each worker's model and KV cache live (auto: CUDA when the worker sees a GPU)")
     p.add_argument("--max-num-batched-tokens", type=int, default=_env("MAX_NUM_BATCHED_TOKENS", 8192, int),
                    help="tokens per forward pass: the chunked-prefill budget")
@@ -150,6 +171,18 @@ def run_serve(args: argparse.Namespace) -> int:
                  include_dashboard=False, logging_level="warning")
     else:
         init_ray(address=args.ray_address, logging_level="warning")
+    cluster_gpus = float(ray.cluster_resources().get("GPU", 0.0))
+    try:
+        args.prefill_gpus = worker_gpus(args.prefill_gpus, args.device, cluster_gpus)
+        args.decode_gpus = worker_gpus(args.decode_gpus, args.device, cluster_gpus)
+    except ValueError as exc:
+        _say(f"error: {exc}")
+        if started_ray:
+            ray.shutdown()
+        return 2
+    _say("workers: " + ", ".join(
+        f"{role} {'on ' + format(gpus, 'g') + ' GPU each' if gpus else 'on the CPU'}"
+        for role, gpus in (("prefill", args.prefill_gpus), ("decode", args.decode_gpus)) if role in sizes))
     secret = os.environ.get("TANDEM_CLUSTER_SECRET") or secrets.token_urlsafe(32)
     handles: dict = {}  # address -> every worker launched, whatever happens next, so that all are stopped
     from cluster.actors import WorkerStartupError

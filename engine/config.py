@@ -144,7 +144,7 @@ class EngineConfig:
     num_threads: int | None = None  # torch intra-op threads; None leaves torch's default
     seed: int = 0  # seeds the random per-request seeds of unseeded requests
     attention_backend: str = "auto"  # auto (Triton on CUDA, torch elsewhere) | torch | triton
-    device: str = "cpu"  # where the model, the KV cache and each step's tensors live: cpu | cuda | auto
+    device: str = "auto"  # where the model, the KV cache and each step's tensors live: cpu | cuda | auto
 
 
 def parse_dtype(name: str | torch.dtype) -> torch.dtype | None:

@@ -92,9 +92,10 @@ class EngineCore:
             self.block_pool, config.cache.block_size, namespace, config.cache.enable_prefix_caching
         )
         device = resolve_device(config.device)
-        self.kv_cache = KVCache(model_cfg.arch, num_blocks, config.cache.block_size, model_cfg.dtype, device)
         ops = select_ops(device)
         backend = make_attention_backend(config.attention_backend, device, model_cfg.dtype, ops.kernels)
+        self.kv_cache = KVCache(model_cfg.arch, num_blocks, config.cache.block_size, model_cfg.dtype, device,
+                                triton=backend.uses_triton)
         self.model = load_model(model_cfg, backend, ops, device)
         self.runner = ModelRunner(self.model, self.kv_cache, backend)
         self.scheduler = Scheduler(config.scheduler, self.kv_manager, model_cfg.max_model_len)

@@ -51,7 +51,7 @@ class LLM:
         served_model_name: str | None = None,
         free_order_seed: int | None = None,
         attention_backend: str = "auto",
-        device: str = "cpu",
+        device: str = "auto",
     ) -> None:
         if num_threads:
             torch.set_num_threads(num_threads)
@@ -193,7 +193,7 @@ class EngineArgs:
     chat_template: str | None = None
     served_model_name: str | None = None
     attention_backend: str = "auto"  # --attention-backend
-    device: str = "cpu"  # --device
+    device: str = "auto"  # --device
 
     def build(self) -> LLM:
         return LLM(**{f.name: getattr(self, f.name) for f in fields(self)})

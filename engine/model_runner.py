@@ -58,15 +58,21 @@ class ModelRunner:
         return self._sample(seqs, hidden)
 
     def _export_hook(self, seqs: list[ScheduledSeq]) -> Callable[[int], None] | None:
-        """After each layer, hand the exported positions' fresh KV to ``on_layer_kv``."""
+        """Export each exporting sequence's KV. Positions this cache already held before the step
+        (a prefix-cache hit the receiver lacks) leave at once, every layer from one block pack;
+        after each layer, its freshly computed positions follow."""
         if self.on_layer_kv is None:
             return None
         exports = []
         for seq in seqs:
             end = seq.start_pos + len(seq.token_ids)
-            if seq.export_from is not None and end > seq.export_from:
-                first = seq.export_from
-                exports.append((seq.request_id, first, self.kv_cache.slots_for(seq.block_ids, first, end)))
+            if seq.export_from is None or end <= seq.export_from:
+                continue
+            first = seq.export_from
+            if first < seq.start_pos:
+                self._export_cached(seq, first, seq.start_pos)
+                first = seq.start_pos
+            exports.append((seq.request_id, first, self.kv_cache.slots_for(seq.block_ids, first, end)))
         if not exports:
             return None
 
@@ -75,6 +81,16 @@ class ModelRunner:
                 self.on_layer_kv(request_id, layer, first, self.kv_cache.read_slots(layer, slots))
 
         return layer_done
+
+    def _export_cached(self, seq: ScheduledSeq, start: int, end: int) -> None:
+        """Positions [start, end) are in the cache for every layer: pack their blocks for all
+        layers in one go and hand each layer's token range over before the forward runs."""
+        bs = self.kv_cache.block_size
+        first_block, last_block = start // bs, -(-end // bs)
+        packed = self.kv_cache.pack_blocks(seq.block_ids[first_block:last_block], 0, len(self.kv_cache.layers))
+        offset = start - first_block * bs
+        for layer, blocks in enumerate(packed):  # blocks: [num_blocks, block_size, 2 * kv_heads, head_dim]
+            self.on_layer_kv(seq.request_id, layer, start, blocks.flatten(0, 1)[offset : offset + end - start])
 
     def _sample(self, seqs: list[ScheduledSeq], hidden: torch.Tensor) -> RunnerOutput:
         # Which hidden rows need logits: each sampling seq's last token, and every prompt

@@ -41,6 +41,8 @@ class AttentionBackend(ABC):
     not influence the result.
     """
 
+    uses_triton = False  # the KV cache moves its blocks with the Triton kernels too (pack/unpack)
+
     @abstractmethod
     def build_metadata(self, layout: BatchLayout) -> object:
         """Per-step, layer-independent state for ``forward``."""

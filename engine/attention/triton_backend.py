@@ -39,6 +39,8 @@ class TritonAttentionBackend(AttentionBackend):
     """Decodes through paged_decode_attention (split-K chosen per step from the shapes),
     prefill chunks through paged_prefill_attention, K/V written by write_kv."""
 
+    uses_triton = True
+
     def __init__(self, dtype: torch.dtype, device: torch.device | str = "cuda") -> None:
         self.dtype = dtype
         self.device = torch.device(device)

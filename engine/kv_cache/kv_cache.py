@@ -37,21 +37,24 @@ class KVCache:
     one launch (pack_blocks / unpack_blocks)."""
 
     def __init__(self, arch: ModelArchConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
-                 device: torch.device | str = "cpu"):
+                 device: torch.device | str = "cpu", triton: bool = False):
         shape = (arch.num_hidden_layers, num_blocks, block_size, 2 * arch.num_key_value_heads, arch.head_dim)
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.storage = torch.zeros(shape, dtype=dtype, device=device)
         self.layers = list(self.storage.unbind(0))
+        self.triton = triton  # pack/unpack with the Triton kernels (the engine sets it with the Triton backend)
 
     def pack_blocks(self, block_ids: list[int], layer_start: int, layer_end: int) -> torch.Tensor:
         """Blocks ``block_ids`` of layers [layer_start, layer_end), contiguous:
-        [layers, len(block_ids), block_size, 2 * kv_heads, head_dim] (the Triton kernel on CUDA)."""
+        [layers, len(block_ids), block_size, 2 * kv_heads, head_dim], in one launch."""
         index = torch.tensor(block_ids, dtype=torch.int64, device=self.storage.device)
-        if self.storage.is_cuda:
+        if self.triton:
             from engine.triton_ops.kv_pack import pack_kv_blocks
 
             return pack_kv_blocks(self.storage, index, layer_start, layer_end)
+        if not 0 <= layer_start < layer_end <= self.storage.shape[0]:
+            raise ValueError(f"layers [{layer_start}, {layer_end}) outside [0, {self.storage.shape[0]})")
         return self.storage[layer_start:layer_end].index_select(1, index)
 
     def unpack_blocks(self, buffer: torch.Tensor, block_ids: list[int], layer_start: int) -> None:
@@ -61,10 +64,10 @@ class KVCache:
         if buffer.shape != (layers.shape[0], len(block_ids), *layers.shape[2:]) or buffer.dtype != layers.dtype:
             raise ValueError(f"a buffer of {tuple(buffer.shape)} {buffer.dtype} does not fit {len(block_ids)} blocks "
                              f"of layers from {layer_start}")
-        if self.storage.is_cuda:
+        if self.triton:
             from engine.triton_ops.kv_pack import unpack_kv_blocks
 
-            unpack_kv_blocks(buffer.contiguous(), self.storage, index, layer_start)
+            unpack_kv_blocks(buffer.to(self.storage.device).contiguous(), self.storage, index, layer_start)
             return
         layers.index_copy_(1, index, buffer)
 

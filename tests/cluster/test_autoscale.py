@@ -33,6 +33,26 @@ def test_the_serve_parser_reads_pool_bounds():
         build_parser().parse_args(["serve", "--prefill-workers", "4:2"])
 
 
+def test_workers_ask_for_a_gpu_by_default_only_where_the_cluster_has_one():
+    from cluster.cli import build_parser
+    from cluster.serve import worker_gpus
+
+    args = build_parser().parse_args(["serve"])
+    assert (args.device, args.prefill_gpus, args.decode_gpus) == ("auto", None, None)
+    assert build_parser().parse_args(["serve", "--decode-gpus", "0.5"]).decode_gpus == 0.5
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--prefill-gpus", "-1"])
+    assert worker_gpus(None, "auto", cluster_gpus=8) == 1 and worker_gpus(None, "auto", cluster_gpus=0) == 0
+    assert worker_gpus(None, "cpu", cluster_gpus=8) == 0 and worker_gpus(2, "cuda", cluster_gpus=8) == 2
+    assert worker_gpus(0, "auto", cluster_gpus=8) == 0  # asked for none: the worker runs on the CPU
+    with pytest.raises(ValueError, match="the Ray cluster has no GPU"):
+        worker_gpus(None, "cuda", cluster_gpus=0)
+    with pytest.raises(ValueError, match="asks Ray for 0 GPUs"):
+        worker_gpus(0, "cuda", cluster_gpus=8)
+    with pytest.raises(ValueError, match="would leave them idle"):
+        worker_gpus(1, "cpu", cluster_gpus=8)
+
+
 RULE = ScaleRule(queue_target=100, up_window_s=10, down_window_s=30)
 
 

@@ -151,6 +151,18 @@ def test_pool_bounds_out_of_order_fail_at_install(tmp_path):
     assert result.returncode != 0 and "decode.minReplicas (5) is above decode.maxReplicas (2)" in result.stderr
 
 
+def test_the_device_agrees_with_the_gpus_of_every_pool_in_use(tmp_path):
+    values = tmp_path / "device.yaml"
+    values.write_text("serve: {device: cuda}\nprefill: {gpus: 0}\n")  # the prefill pool has none
+    result = helm_template(values)
+    assert result.returncode != 0 and "serve.device is cuda but prefill.gpus is 0" in result.stderr
+    values.write_text("serve: {device: cuda, mode: colocated}\nprefill: {gpus: 0}\n")  # no prefill pool then
+    assert helm_template(values).returncode == 0
+    values.write_text("serve: {device: cpu}\nprefill: {gpus: 0}\n")  # the decode pool still asks for 1
+    result = helm_template(values)
+    assert result.returncode != 0 and "serve.device is cpu but decode.gpus is 1" in result.stderr
+
+
 def test_external_redis_with_auth_needs_a_password(tmp_path):
     values = tmp_path / "redis.yaml"
     values.write_text("redis: {mode: external, external: {host: redis.data}}\n")
@@ -451,6 +463,7 @@ def test_the_router_command_parses_with_the_real_cli_and_follows_the_values(scen
                                          scaling["scaleUpWindowSeconds"], scaling["scaleDownWindowSeconds"],
                                          scaling["intervalSeconds"])
     assert args.kv_transport == values["serve"]["kvTransport"] and args.max_num_seqs == values["serve"]["maxNumSeqs"]
+    assert (args.device, args.attention_backend) == (values["serve"]["device"], values["serve"]["attentionBackend"])
     script = one(docs, "RayCluster")["spec"]["headGroupSpec"]["template"]["spec"]["containers"][0]["args"][-1]
     assert "${KUBERAY_GEN_RAY_START_CMD//--block/}" in script  # Ray's head first, in the background
     for group in one(docs, "RayCluster")["spec"]["workerGroupSpecs"]:

@@ -285,6 +285,37 @@ def test_generation_with_the_triton_backend_equals_the_torch_backend(tiny_llama_
     assert all(len(t) == 10 for t in tokens["torch"])
 
 
+def test_disaggregated_prefill_on_the_triton_backend(tiny_llama_dir, tiny_prompts):
+    """A prefill engine on the Triton backend exports a prompt whose first blocks it has cached:
+    those leave in one kv_pack launch covering every layer, the rest layer by layer, and a
+    decode engine on the torch backend then generates what a colocated torch engine does."""
+    from engine import SamplingParams
+    from kv_transfer.inprocess import InProcessKVSink
+    from tests.conftest import make_llm
+    from tests.kv_transfer.helpers import RecordsSent, disaggregated
+
+    class Recorder(RecordsSent, InProcessKVSink):
+        pass
+
+    kwargs = dict(model=str(tiny_llama_dir), dtype="float32", num_kv_blocks=64, max_model_len=256, num_threads=1)
+    prompt = tiny_prompts[3]  # 75 tokens
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    expected = make_llm(attention_backend="torch", **kwargs).generate({"prompt_token_ids": prompt}, params)
+    prefill = make_llm(attention_backend="triton", **kwargs).engine_core
+    decode = make_llm(attention_backend="torch", **kwargs).engine_core
+    assert prefill.kv_cache.triton and not decode.kv_cache.triton
+    prefill.add_request(prefill.make_request("warm", prompt[:64] + [5, 6], params))  # caches 4 blocks of the prompt
+    while prefill.has_unfinished_requests():
+        prefill.step()
+    before = LAUNCHES["kv_pack"]
+    sink = Recorder(decode)
+    tokens, _ = disaggregated(prefill, decode, [prompt], params, sink, tag="tri")
+    assert LAUNCHES["kv_pack"] == before + 1
+    layers = decode.config.model.arch.num_hidden_layers
+    assert [(start, len(kv)) for _, _, start, kv in sink.sent] == [(0, 64)] * layers + [(64, 11)] * layers
+    assert tokens["tri0"] == expected[0].outputs[0].token_ids
+
+
 def test_kernels_pass_with_the_triton_that_pytorch_cuda_builds_ship():
     """Triton 3.6 (what PyTorch's CUDA wheels pin) next to the one `make test` installs: a
     representative case of every kernel, run with that Triton in a child process. `make tools`

@@ -44,3 +44,31 @@ class RecordsSent:
         damaged = bytearray(data)
         damaged[len(data) - payload.nbytes + 11] ^= 0x40
         return bytes(damaged)
+
+
+def disaggregated(prefill, decode, prompts, params, sink=None, tag="r"):
+    """Run prompts (text or token ids) prefill-on-one, decode-on-the-other, through the
+    in-process transport; returns ({request id: token ids}, the sink)."""
+    from engine.remote_kv import KVExport, prefill_side_params
+    from kv_transfer.inprocess import InProcessKVSink
+
+    sink = sink or InProcessKVSink(decode)
+    tokens: dict[str, list[int]] = {}
+    for index, prompt in enumerate(prompts):
+        ids = decode.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        request_id = f"{tag}{index}"
+        remote = decode.make_request(request_id, ids, params)
+        from_pos = decode.add_remote_request(remote, deadline_s=120)
+        assert from_pos is not None
+        local = prefill.make_request(request_id, ids, prefill_side_params(params, remote.seed))
+        prefill.add_request(local, KVExport(sink, from_pos))
+        tokens[request_id] = []
+    while prefill.has_unfinished_requests():
+        prefill.step()  # all prompts prefilled together, KV exported after each layer
+    assert not sink.errors, sink.errors
+    for output in sink.first_outputs:
+        tokens[output.request_id] += output.new_token_ids
+    while decode.has_unfinished_requests():
+        for output in decode.step():
+            tokens[output.request_id] += output.new_token_ids
+    return tokens, sink

@@ -9,11 +9,11 @@ import torch
 
 from engine import SamplingParams
 from engine.remote_kv import KVExport, KVFailurePolicy, prefill_side_params
-from engine.scheduler_types import SampledToken
+from engine.scheduler_types import SampledToken, ScheduledSeq
 from kv_transfer.inbox import EngineInbox, TransferFailed
 from kv_transfer.inprocess import InProcessKVSink
-from tests.kv_transfer.helpers import RecordsSent, assert_landed_equals_sent
 from tests.conftest import make_engine_pair
+from tests.kv_transfer.helpers import RecordsSent, assert_landed_equals_sent, disaggregated
 from tests.reference import EqualityStats, assert_same_as_engine_reference
 
 PROMPTS = [
@@ -31,30 +31,6 @@ def pair(smollm_dir):
 
 class _Recorder(RecordsSent, InProcessKVSink):
     """Also keeps what was sent, to compare with what landed."""
-
-
-def disaggregated(prefill, decode, prompts, params, sink=None, tag="r"):
-    """Run prompts prefill-on-one, decode-on-the-other; returns {request id: token ids}."""
-    sink = sink or InProcessKVSink(decode)
-    tokens: dict[str, list[int]] = {}
-    for index, prompt in enumerate(prompts):
-        ids = decode.tokenizer.encode(prompt)
-        request_id = f"{tag}{index}"
-        remote = decode.make_request(request_id, ids, params)
-        from_pos = decode.add_remote_request(remote, deadline_s=120)
-        assert from_pos is not None
-        local = prefill.make_request(request_id, ids, prefill_side_params(params, remote.seed))
-        prefill.add_request(local, KVExport(sink, from_pos))
-        tokens[request_id] = []
-    while prefill.has_unfinished_requests():
-        prefill.step()  # all prompts prefilled together, KV exported after each layer
-    assert not sink.errors, sink.errors
-    for output in sink.first_outputs:
-        tokens[output.request_id] += output.new_token_ids
-    while decode.has_unfinished_requests():
-        for output in decode.step():
-            tokens[output.request_id] += output.new_token_ids
-    return tokens, sink
 
 
 def test_disaggregated_greedy_equals_colocated(pair, llm):
@@ -177,7 +153,7 @@ def test_fail_policy_ends_the_request_with_an_error_and_frees_its_blocks(pair):
     assert decode.block_pool.num_free_blocks == decode.block_pool.num_blocks
 
 
-def test_sender_prefix_hit_still_sends_every_position_the_receiver_lacks(pair, llm):
+def test_sender_prefix_hit_still_sends_every_position_the_receiver_lacks(pair, llm, monkeypatch):
     prefill, decode = pair
     prompt = "Sender-side cache: " + PROMPTS[3]
     params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
@@ -187,8 +163,45 @@ def test_sender_prefix_hit_still_sends_every_position_the_receiver_lacks(pair, l
         prefill.step()
     computed_before = prefill.counters.num_prompt_tokens_computed
     sink = _Recorder(decode)
+    packs = []
+    pack_blocks = prefill.kv_cache.pack_blocks
+    monkeypatch.setattr(prefill.kv_cache, "pack_blocks", lambda *a: packs.append(a) or pack_blocks(*a))
     tokens, _ = disaggregated(prefill, decode, [prompt], params, sink, tag="sender-hit")
-    assert prefill.counters.num_prompt_tokens_computed - computed_before == len(ids) - len(ids) // 16 * 16
+    cached = len(ids) // 16 * 16
+    assert prefill.counters.num_prompt_tokens_computed - computed_before == len(ids) - cached
     arch = decode.config.model.arch
     assert sink.bytes_sent == len(ids) * 2 * arch.num_key_value_heads * arch.head_dim * 4 * arch.num_hidden_layers
     assert tokens["sender-hit0"] == llm.generate({"prompt_token_ids": ids}, params)[0].outputs[0].token_ids
+    # the cached positions left before the forward, every layer from one pack of their blocks
+    layers = arch.num_hidden_layers
+    assert len(packs) == 1 and packs[0][1:] == (0, layers) and len(packs[0][0]) == cached // 16
+    assert [(layer, start, len(kv)) for _, layer, start, kv in sink.sent[:layers]] == [
+        (layer, 0, cached) for layer in range(layers)
+    ]
+    assert all(start == cached for _, _, start, _ in sink.sent[layers:])
+    # and they are what the sender's cache holds (read slot by slot, not through the pack)
+    warm_table = packs[0][0]
+    for _, layer, start, kv in sink.sent[:layers]:
+        slots = prefill.kv_cache.slots_for(warm_table, 0, cached)
+        assert torch.equal(kv, prefill.kv_cache.read_slots(layer, slots))
+
+
+def test_cached_export_cuts_the_pack_at_any_position():
+    """Positions [5, 37) through a table of three blocks: the packed blocks are cut to exactly
+    those positions, for every layer (compared with a slot-by-slot read)."""
+    from types import SimpleNamespace
+
+    from engine.kv_cache.kv_cache import KVCache
+    from engine.model_runner import ModelRunner
+
+    arch = SimpleNamespace(num_hidden_layers=3, num_key_value_heads=2, head_dim=8)  # what KVCache reads
+    cache = KVCache(arch, num_blocks=12, block_size=16, dtype=torch.float32)
+    cache.storage.copy_(torch.randn(cache.storage.shape))
+    runner = ModelRunner(model=None, kv_cache=cache, backend=None)
+    got = []
+    runner.on_layer_kv = lambda *args: got.append(args)
+    table = [7, 3, 11]
+    runner._export_cached(ScheduledSeq("cut", [0], 37, table, None, None), 5, 37)
+    assert [(rid, layer, start) for rid, layer, start, _ in got] == [("cut", i, 5) for i in range(3)]
+    for _, layer, _, kv in got:
+        assert torch.equal(kv, cache.read_slots(layer, cache.slots_for(table, 5, 37)))

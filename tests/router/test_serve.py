@@ -275,6 +275,16 @@ def test_a_worker_that_cannot_start_is_a_clear_error(smollm_dir):
     assert "max_model_len" in message and "stopped" in message
 
 
+def test_device_cuda_without_a_gpu_is_refused_before_any_worker_starts(smollm_dir, disagg_server):
+    with pytest.raises(RuntimeError) as info:
+        start_server(smollm_dir, "colocated", "--device", "cuda", ready_timeout_s=180)
+    message = str(info.value)
+    assert "exited with 2" in message and "--device cuda, but the Ray cluster has no GPU" in message
+    assert "starting" not in message  # no worker was started
+    # the default, auto, puts every worker on the CPU here, and says so
+    assert "workers: prefill on the CPU, decode on the CPU" in "\n".join(disagg_server.log)
+
+
 def prometheus_sum(text: str, name: str, label: str = "") -> float:
     """Sum of the samples of ``name`` (optionally only those whose labels contain ``label``)."""
     total = 0.0
