@@ -349,6 +349,25 @@ def test_the_gpu_check_script_runs_interpreted_with_only_torch_and_triton():
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
     assert "EXTRA IMPORTS []" in result.stdout and "FAIL" not in result.stdout
     assert result.stdout.count("| ok |") == 12 and "paged decode bf16" in result.stdout and "KV unpack" in result.stdout
+    assert result.stdout.count("\n|---") == 1  # one table
+
+
+def test_the_gpu_script_judges_the_targets_against_the_copy():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_kernels", ROOT / "bench" / "gpu_kernels.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    copy = 4e12  # bytes per second
+    decode = [{"batch": 64, "context": 4096, "ms": 1.0, "bandwidth": 0.69 * copy, "ms_single_pass": 1.2,
+               "bandwidth_single_pass": 0.5 * copy}]
+    pack = [{"kernel": "pack", "tokens": 4096, "layers": 32, "ms": 0.1, "bandwidth": 0.81 * copy},
+            {"kernel": "unpack", "tokens": 4096, "layers": 32, "ms": 0.1, "bandwidth": 0.79 * copy}]
+    table = "\n".join(script.render_table([("decode", 1e-3, 2e-3), ("prefill", 3e-3, 2e-3)], copy, 1 << 30, decode,
+                                          pack))
+    assert ">= 70%: MISSED" in table and "| 69% |" in table
+    assert table.count(">= 80%: met") == 1 and table.count(">= 80%: MISSED") == 1
+    assert table.count("| ok |") == 1 and table.count("| FAIL |") == 1
 
 
 def test_which_triton_runs_these_tests(capsys):
