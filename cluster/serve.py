@@ -36,6 +36,13 @@ def _gpus(text: str) -> float:
     return value
 
 
+def _fraction(text: str) -> float:
+    value = float(text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"{text}: must be in (0, 1]")
+    return value
+
+
 def worker_gpus(requested: float | None, device: str, cluster_gpus: float) -> float:
     """GPUs one worker asks Ray for. Unset: one GPU when the cluster has any and the device may
     be CUDA, else none. ``--device cuda`` with no GPU for the worker is an error here, before
@@ -92,6 +99,9 @@ def add_serve_parser(commands) -> None:
     p.add_argument("--max-model-len", type=int, default=_env("MAX_MODEL_LEN", None, int))
     p.add_argument("--block-size", type=int, default=_env("BLOCK_SIZE", 16, int))
     p.add_argument("--num-kv-blocks", type=int, default=_env("NUM_KV_BLOCKS", None, int))
+    p.add_argument("--gpu-memory-utilization", type=_fraction, default=_env("GPU_MEMORY_UTILIZATION", 0.9, _fraction),
+                   help="on a GPU without --num-kv-blocks: the share of its memory a worker may bring it to; "
+                        "the KV cache gets what the weights and the activation headroom leave")
     p.add_argument("--max-num-seqs", type=int, default=_env("MAX_NUM_SEQS", 64, int))
     p.add_argument("--attention-backend", choices=["auto", "torch", "triton"],
                    default=_env("ATTENTION_BACKEND", "auto"),
@@ -153,6 +163,7 @@ def run_serve(args: argparse.Namespace) -> int:
     max_model_len = resolve_max_model_len(info.arch, args.max_model_len)
     engine = EngineArgs(model=str(info.model_dir), dtype=args.dtype, max_model_len=max_model_len,
                         block_size=args.block_size, num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
+                        gpu_memory_utilization=args.gpu_memory_utilization,
                         max_num_batched_tokens=args.max_num_batched_tokens,
                         num_threads=args.worker_threads, chat_template=chat_template,
                         attention_backend=args.attention_backend, device=args.device,

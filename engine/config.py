@@ -114,14 +114,21 @@ class CacheConfig:
 
     block_size: int = 16  # tokens per block
     num_kv_blocks: int | None = None  # exact pool size; None = derive from the memory budget
-    kv_cache_memory_bytes: int = 1 << 30  # budget used when num_kv_blocks is None
+    # budget used when num_kv_blocks is None; None: 1 GiB on the CPU, on a GPU what
+    # gpu_memory_utilization leaves after the weights (kv_cache.gpu_kv_budget)
+    kv_cache_memory_bytes: int | None = None
     enable_prefix_caching: bool = True  # reuse full blocks whose token prefix is already cached
+    gpu_memory_utilization: float = 0.9  # share of a GPU's memory this engine may bring it to
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two >= 1, got {self.block_size}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes < 1:
+            raise ValueError(f"kv_cache_memory_bytes must be >= 1, got {self.kv_cache_memory_bytes}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,7 +18,7 @@ from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.kv_cache.block_hash import namespace_digest
 from engine.kv_cache.block_pool import BlockPool
-from engine.kv_cache.kv_cache import KVCache, num_blocks_for
+from engine.kv_cache.kv_cache import KVCache, activation_headroom, gpu_kv_budget, num_blocks_for
 from engine.kv_cache.manager import KVCacheManager
 from engine.model_info import ModelInfo
 from engine.model_runner import ModelRunner
@@ -78,7 +78,14 @@ class EngineCore:
         self.info = info
         self.tokenizer = info.tokenizer
         model_cfg = config.model
-        num_blocks = num_blocks_for(model_cfg.arch, config.cache, model_cfg.dtype)
+        device = resolve_device(config.device)
+        ops = select_ops(device)
+        backend = make_attention_backend(config.attention_backend, device, model_cfg.dtype, ops.kernels)
+        self.model = load_model(model_cfg, backend, ops, device)  # first: on a GPU, the KV cache takes what is left
+        cache = config.cache
+        measure = device.type == "cuda" and cache.num_kv_blocks is None and cache.kv_cache_memory_bytes is None
+        num_blocks = num_blocks_for(model_cfg.arch, config.cache, model_cfg.dtype,
+                                    self._gpu_kv_budget(device) if measure else None)
         capacity = num_blocks * config.cache.block_size
         if capacity < model_cfg.max_model_len:
             raise ValueError(
@@ -91,12 +98,8 @@ class EngineCore:
         self.kv_manager = KVCacheManager(
             self.block_pool, config.cache.block_size, namespace, config.cache.enable_prefix_caching
         )
-        device = resolve_device(config.device)
-        ops = select_ops(device)
-        backend = make_attention_backend(config.attention_backend, device, model_cfg.dtype, ops.kernels)
         self.kv_cache = KVCache(model_cfg.arch, num_blocks, config.cache.block_size, model_cfg.dtype, device,
                                 triton=backend.uses_triton)
-        self.model = load_model(model_cfg, backend, ops, device)
         self.runner = ModelRunner(self.model, self.kv_cache, backend)
         self.scheduler = Scheduler(config.scheduler, self.kv_manager, model_cfg.max_model_len)
         self.kv_importer = KVImporter(self.kv_cache, self.kv_manager, model_cfg.arch.num_hidden_layers)
@@ -105,6 +108,14 @@ class EngineCore:
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.counters = EngineCounters()
         self._rng = random.Random(config.seed)
+
+    def _gpu_kv_budget(self, device: torch.device) -> int:
+        """KV bytes on this GPU, measured after the weights loaded (see gpu_kv_budget)."""
+        free, total = torch.cuda.mem_get_info(device)
+        config = self.config
+        headroom = activation_headroom(config.model.arch, config.scheduler.max_num_batched_tokens,
+                                       config.scheduler.max_num_seqs, config.model.dtype)
+        return gpu_kv_budget(total, free, config.cache.gpu_memory_utilization, headroom)
 
     # -- requests ----------------------------------------------------------------------------
     def make_request(

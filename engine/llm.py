@@ -27,7 +27,8 @@ class LLM:
 
     Args mirror vLLM's where they exist: ``model`` (known name, HF directory or .gguf),
     ``dtype`` ("auto" | "float32" | "bfloat16" | "float16"), ``max_model_len``, ``block_size``,
-    ``num_kv_blocks`` / ``kv_cache_memory_bytes``, ``max_num_seqs``, ``max_num_batched_tokens``
+    ``num_kv_blocks`` / ``kv_cache_memory_bytes`` (default: 1 GiB on the CPU; on a GPU, what
+    ``gpu_memory_utilization`` of its memory leaves after the weights), ``max_num_seqs``, ``max_num_batched_tokens``
     (the per-step token budget: longer prompts are prefilled in chunks), ``enable_prefix_caching``,
     ``num_threads`` (torch threads), ``seed``, ``chat_template`` (Jinja source override).
     A prompt dict may carry ``cache_salt``: requests only share prefix-cache blocks with
@@ -41,7 +42,8 @@ class LLM:
         max_model_len: int | None = None,
         block_size: int = 16,
         num_kv_blocks: int | None = None,
-        kv_cache_memory_bytes: int = 1 << 30,
+        kv_cache_memory_bytes: int | None = None,
+        gpu_memory_utilization: float = 0.9,
         max_num_seqs: int = 64,
         max_num_batched_tokens: int = 8192,
         enable_prefix_caching: bool = True,
@@ -74,7 +76,8 @@ class LLM:
         )
         self.config = EngineConfig(
             model=model_config,
-            cache=CacheConfig(block_size, num_kv_blocks, kv_cache_memory_bytes, enable_prefix_caching),
+            cache=CacheConfig(block_size, num_kv_blocks, kv_cache_memory_bytes, enable_prefix_caching,
+                              gpu_memory_utilization),
             scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens),
             num_threads=num_threads,
             seed=seed,
@@ -184,7 +187,8 @@ class EngineArgs:
     max_model_len: int | None = None
     block_size: int = 16
     num_kv_blocks: int | None = None
-    kv_cache_memory_bytes: int = 1 << 30
+    kv_cache_memory_bytes: int | None = None  # None: 1 GiB on the CPU; on a GPU, see gpu_memory_utilization
+    gpu_memory_utilization: float = 0.9  # --gpu-memory-utilization
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 8192
     enable_prefix_caching: bool = True

@@ -1,5 +1,7 @@
-"""KV transfer over torch.distributed point-to-point (gloo for CPU tensors here; the same
-frames over NCCL carry CUDA tensors on GPUs).
+"""KV transfer over torch.distributed point-to-point, with gloo over host memory. On GPUs the
+sender copies each layer's KV to the host first (wire.encode_layer) and the receiver copies it
+onto its device when it writes the blocks; an NCCL pair that keeps the bytes on the devices is
+not written yet (checking it takes two GPUs).
 
 Each sender/receiver pair gets its own two-rank process group, created when the pair first
 talks (the receiver hosts the rendezvous store on a free port and tells the sender where),

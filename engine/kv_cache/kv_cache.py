@@ -12,10 +12,46 @@ def bytes_per_block(arch: ModelArchConfig, block_size: int, dtype: torch.dtype) 
     return 2 * arch.num_hidden_layers * block_size * arch.num_key_value_heads * arch.head_dim * element
 
 
-def num_blocks_for(arch: ModelArchConfig, cache: CacheConfig, dtype: torch.dtype) -> int:
+CPU_KV_CACHE_BYTES = 1 << 30  # the budget on the CPU when none is given
+
+
+def num_blocks_for(arch: ModelArchConfig, cache: CacheConfig, dtype: torch.dtype,
+                   gpu_budget_bytes: int | None = None) -> int:
+    """The pool size: ``num_kv_blocks`` if given, else the memory budget over one block's bytes.
+    The budget: ``kv_cache_memory_bytes`` if given, else on a GPU what ``gpu_kv_budget`` found,
+    else 1 GiB."""
     if cache.num_kv_blocks is not None:
         return cache.num_kv_blocks
-    return max(1, cache.kv_cache_memory_bytes // bytes_per_block(arch, cache.block_size, dtype))
+    budget = next(b for b in (cache.kv_cache_memory_bytes, gpu_budget_bytes, CPU_KV_CACHE_BYTES) if b is not None)
+    return max(1, budget // bytes_per_block(arch, cache.block_size, dtype))
+
+
+def activation_headroom(arch: ModelArchConfig, max_num_batched_tokens: int, max_num_seqs: int,
+                        dtype: torch.dtype) -> int:
+    """What one step may hold beyond the weights and the KV cache, generously: per batched token
+    the residual, the normed input, Q/K/V, the attention output and the MLP's gate, up and
+    product, twice over for temporaries; plus float32 logits and their softmax for every
+    sequence sampled."""
+    element = torch.tensor([], dtype=dtype).element_size()
+    qkv = (arch.num_attention_heads + 2 * arch.num_key_value_heads) * arch.head_dim
+    per_token = 2 * element * (3 * arch.hidden_size + qkv + 3 * arch.intermediate_size)
+    return max_num_batched_tokens * per_token + 2 * 4 * max_num_seqs * arch.vocab_size
+
+
+def gpu_kv_budget(total_bytes: int, free_bytes: int, utilization: float, headroom_bytes: int) -> int:
+    """KV cache bytes on a GPU (vLLM's gpu_memory_utilization): this worker may bring the
+    device to ``utilization`` of its memory. What is in use now (its weights, other processes)
+    and the step's activation headroom come off; the rest is the KV cache."""
+    in_use = total_bytes - free_bytes
+    budget = int(utilization * total_bytes) - in_use - headroom_bytes
+    if budget <= 0:
+        gib = 1 << 30
+        raise ValueError(
+            f"no GPU memory left for the KV cache: {utilization:.0%} of {total_bytes / gib:.1f} GiB allowed, "
+            f"{in_use / gib:.1f} GiB in use (weights and other processes), {headroom_bytes / gib:.1f} GiB kept "
+            "for activations; raise gpu_memory_utilization, lower max_num_batched_tokens, or set num_kv_blocks"
+        )
+    return budget
 
 
 def slot_indices(block_table: list[int], start_pos: int, end_pos: int, block_size: int) -> torch.Tensor:
