@@ -97,6 +97,7 @@ class DecodeWorker(pb_grpc.DecodeWorkerServicer):
     def __init__(self, config: DecodeWorkerConfig) -> None:
         self.config = config
         self.core: EngineCore = config.engine.build().engine_core
+        self.core.warm_up()  # kernels compiled (on a GPU) before this worker says it is ready
         self.inbox = EngineInbox()
         self.engine_loop = EngineLoop(self.core, before_step=lambda core: self.inbox.drain_into(core).outputs,
                                       after_step=self._publish_events)

@@ -117,6 +117,20 @@ class EngineCore:
                                        config.scheduler.max_num_seqs, config.model.dtype)
         return gpu_kv_budget(total, free, config.cache.gpu_memory_utilization, headroom)
 
+    def warm_up(self) -> None:
+        """Run one throwaway request (a short prompt and two decode steps) so that every kernel
+        of the common path is compiled before the first real request: on a GPU, Triton compiles
+        each kernel on its first launch. The prompt stays under one block, so nothing enters the
+        prefix cache; counters start over afterwards. (Split-K decode, chosen only for long
+        contexts at small batches, compiles on its first use.)"""
+        prompt = [0] * max(1, min(self.config.cache.block_size // 2, self.config.model.max_model_len - 3))
+        params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True, seed=0)
+        self.add_request(self.make_request("tandem-warm-up", prompt, params))
+        while self.has_unfinished_requests():
+            self.step()
+        self.counters = EngineCounters()
+        self.runner.num_forward_calls = self.runner.num_tokens_processed = 0
+
     # -- requests ----------------------------------------------------------------------------
     def make_request(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, cache_salt: str | None = None

@@ -63,6 +63,7 @@ class PrefillWorker(pb_grpc.PrefillWorkerServicer):
     def __init__(self, config: PrefillWorkerConfig) -> None:
         self.config = config
         self.core: EngineCore = config.engine.build().engine_core
+        self.core.warm_up()  # kernels compiled (on a GPU) before this worker says it is ready
         self.engine_loop = EngineLoop(self.core, after_step=self._publish_events)
         self.publisher: PrefixEventPublisher | None = None
         self.tracing: Tracing | None = None

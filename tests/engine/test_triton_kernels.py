@@ -381,3 +381,29 @@ def test_which_triton_runs_these_tests(capsys):
     with capsys.disabled():
         print(f"\ntriton {triton.__version__}")
     assert triton.__version__.startswith(expected), (triton.__version__, expected)
+
+
+def test_warm_up_compiles_the_common_kernels_and_leaves_no_trace(tiny_llama_dir, tiny_prompts):
+    """What a worker runs before it says it is ready: prefill, KV write and decode kernels launch
+    (on a GPU, that is when they compile); afterwards no block is held or cached, the counters
+    are zero, and the engine generates what a fresh one does."""
+    from engine import SamplingParams
+    from tests.conftest import make_llm
+
+    kwargs = dict(model=str(tiny_llama_dir), dtype="float32", num_kv_blocks=64, max_model_len=256, num_threads=1,
+                  attention_backend="triton")
+    llm = make_llm(**kwargs)
+    core = llm.engine_core
+    before = dict(LAUNCHES)
+    core.warm_up()
+    launched = {k: LAUNCHES[k] - before.get(k, 0) for k in LAUNCHES}
+    layers = core.config.model.arch.num_hidden_layers  # one prefill step, one decode step: a launch per layer each
+    assert launched["paged_prefill"] == launched["paged_decode"] == layers and launched["kv_write"] == 2 * layers
+    assert core.block_pool.num_free_blocks == core.block_pool.num_blocks
+    assert core.block_pool.num_cached_blocks == 0
+    assert core.counters.num_prompt_tokens_computed == core.counters.num_generation_tokens == 0
+    assert core.runner.num_forward_calls == 0
+    params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    warmed = [o.outputs[0].token_ids for o in llm.generate([tiny_prompts[1], tiny_prompts[2]], params)]
+    fresh = make_llm(**kwargs).generate([tiny_prompts[1], tiny_prompts[2]], params)
+    assert warmed == [o.outputs[0].token_ids for o in fresh]
