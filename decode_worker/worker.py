@@ -254,9 +254,10 @@ class DecodeWorker(pb_grpc.DecodeWorkerServicer):
             return self.address
         receiver = self._torch_receivers.get(target.address)
         if receiver is None or not receiver.is_alive:
-            receiver = TorchDistKVReceiver(self.inbox, self.config.server.cluster_secret, self.core.kv_cache.layers[0].dtype,
+            cache = self.core.kv_cache.storage
+            receiver = TorchDistKVReceiver(self.inbox, self.config.server.cluster_secret, cache.dtype,
                                            self._token_shape, host=self.config.server.host,
-                                           timeout_s=self.config.kv_deadline_s)
+                                           timeout_s=self.config.kv_deadline_s, device=cache.device)
             self._torch_receivers[target.address] = receiver
         host, port = receiver.address
         return f"{host}:{port}"

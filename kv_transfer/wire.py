@@ -51,27 +51,40 @@ def frame(message: pb.KVMessage, payload=b"") -> bytes:
     return b"".join((_LENGTH.pack(len(header)), header, payload))
 
 
-def encode_layer(
-    request_id: str, layer: int, start_pos: int, kv: torch.Tensor, max_chunk_bytes: int = MAX_CHUNK_BYTES
-) -> Iterator[bytes]:
-    """kv [num_tokens, 2 * kv_heads, head_dim] -> frames covering every position."""
+def chunk_header(request_id: str, layer: int, start_pos: int, part: torch.Tensor, checksum: int) -> pb.KVMessage:
+    """The header of one chunk: ``part`` [num_tokens, 2 * kv_heads, head_dim] at ``start_pos``."""
+    header = pb.KVMessage()
+    chunk = header.chunk
+    chunk.request_id = request_id
+    chunk.layer = layer
+    chunk.start_pos = start_pos
+    chunk.num_tokens = part.shape[0]
+    chunk.dtype = DTYPE_NAMES[part.dtype]
+    chunk.shape.extend(part.shape)
+    chunk.checksum = checksum
+    chunk.payload_bytes = part.numel() * part.element_size()
+    return header
+
+
+def chunk_parts(kv: torch.Tensor, max_chunk_bytes: int) -> Iterator[tuple[int, torch.Tensor]]:
+    """kv [num_tokens, 2 * kv_heads, head_dim] cut by positions into contiguous parts of at most
+    ``max_chunk_bytes`` (at least one position each): (offset, part)."""
     if kv.dtype not in DTYPE_NAMES or kv.dim() != 3:
         raise ValueError(f"cannot encode KV of shape {tuple(kv.shape)} and dtype {kv.dtype}")
     per_token = kv[0].numel() * kv.element_size()
     tokens_per_chunk = max(1, max_chunk_bytes // per_token)
     for offset in range(0, kv.shape[0], tokens_per_chunk):
-        part = kv[offset : offset + tokens_per_chunk].contiguous().cpu()  # the frame is host bytes
+        yield offset, kv[offset : offset + tokens_per_chunk].contiguous()
+
+
+def encode_layer(
+    request_id: str, layer: int, start_pos: int, kv: torch.Tensor, max_chunk_bytes: int = MAX_CHUNK_BYTES
+) -> Iterator[bytes]:
+    """kv [num_tokens, 2 * kv_heads, head_dim] -> frames covering every position."""
+    for offset, part in chunk_parts(kv, max_chunk_bytes):
+        part = part.cpu()  # the frame is host bytes
         payload = memoryview(part.view(torch.uint8).numpy())  # no copy until the frame is joined
-        header = pb.KVMessage()
-        chunk = header.chunk
-        chunk.request_id = request_id
-        chunk.layer = layer
-        chunk.start_pos = start_pos + offset
-        chunk.num_tokens = part.shape[0]
-        chunk.dtype = DTYPE_NAMES[kv.dtype]
-        chunk.shape.extend(part.shape)
-        chunk.checksum = xxhash.xxh3_64_intdigest(payload)
-        chunk.payload_bytes = payload.nbytes
+        header = chunk_header(request_id, layer, start_pos + offset, part, xxhash.xxh3_64_intdigest(payload))
         yield frame(header, payload)
 
 
@@ -92,16 +105,23 @@ def parse_frame(data) -> tuple[pb.KVMessage, memoryview]:
     return message, view[_LENGTH.size + header_len :]
 
 
-def decode_chunk(chunk: pb.KVChunk, payload: memoryview, dtype: torch.dtype, token_shape: tuple[int, int]) -> DecodedChunk:
-    """Validate a chunk against the receiver's cache geometry and view its payload as KV."""
+def check_chunk_header(chunk: pb.KVChunk, dtype: torch.dtype, token_shape: tuple[int, int]) -> tuple[int, int, int]:
+    """A chunk header against the receiver's cache geometry: its shape, if it fits."""
     if chunk.dtype != DTYPE_NAMES.get(dtype):
         raise CorruptChunkError(f"chunk dtype {chunk.dtype!r}, this cache holds {DTYPE_NAMES.get(dtype)}")
     shape = tuple(chunk.shape)
     if len(shape) != 3 or shape[0] != chunk.num_tokens or shape[0] < 1 or shape[1:] != tuple(token_shape):
         raise CorruptChunkError(f"chunk shape {shape} does not fit [num_tokens={chunk.num_tokens}, *{token_shape}]")
-    expected_bytes = shape[0] * shape[1] * shape[2] * torch.tensor([], dtype=dtype).element_size()
-    if payload.nbytes != expected_bytes or chunk.payload_bytes != expected_bytes:
-        raise CorruptChunkError(f"payload is {payload.nbytes} bytes, its shape needs {expected_bytes}")
+    if chunk.payload_bytes != shape[0] * shape[1] * shape[2] * torch.tensor([], dtype=dtype).element_size():
+        raise CorruptChunkError(f"chunk says {chunk.payload_bytes} payload bytes, its shape needs another number")
+    return shape
+
+
+def decode_chunk(chunk: pb.KVChunk, payload: memoryview, dtype: torch.dtype, token_shape: tuple[int, int]) -> DecodedChunk:
+    """Validate a chunk against the receiver's cache geometry and view its payload as KV."""
+    shape = check_chunk_header(chunk, dtype, token_shape)
+    if payload.nbytes != chunk.payload_bytes:
+        raise CorruptChunkError(f"payload is {payload.nbytes} bytes, its shape needs {chunk.payload_bytes}")
     if xxhash.xxh3_64_intdigest(payload) != chunk.checksum:
         raise CorruptChunkError("payload checksum mismatch")
     with warnings.catch_warnings():  # a read-only view of the frame's bytes; never written to

@@ -158,7 +158,8 @@ class PrefillWorker(pb_grpc.PrefillWorkerServicer):
             pair = self._torch_pairs.get(request.kv_target)
             if pair is None or not pair.is_alive:
                 host, _, port = request.kv_target.rpartition(":")
-                pair = TorchDistKVSink((host, int(port)), secret, timeout_s=self.config.default_deadline_s)
+                pair = TorchDistKVSink((host, int(port)), secret, timeout_s=self.config.default_deadline_s,
+                                       device=self.core.kv_cache.storage.device)
                 self._torch_pairs[request.kv_target] = pair
             return torch_request_sink(pair, request.request_id)
         channel = self._channels.get(request.kv_target)

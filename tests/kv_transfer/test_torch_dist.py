@@ -1,5 +1,6 @@
-"""KV transfer over torch.distributed (gloo): bit-exact, authenticated, checked — between
-threads of this process and between two real processes."""
+"""KV transfer over torch.distributed (gloo here; NCCL payloads where both ends are on CUDA):
+bit-exact, authenticated, checked — between threads of this process and between two real
+processes."""
 
 from __future__ import annotations
 
@@ -10,10 +11,16 @@ import torch
 
 from engine import SamplingParams
 from engine.remote_kv import KVExport, prefill_side_params
+from kv_transfer import torch_dist
 from kv_transfer.inbox import EngineInbox
-from kv_transfer.torch_dist import TorchDistKVReceiver, TorchDistKVSink
-from tests.kv_transfer.helpers import RecordsSent, assert_landed_equals_sent
+from kv_transfer.torch_dist import (
+    TorchDistKVReceiver,
+    TorchDistKVSink,
+    payload_backend,
+    payload_checksum,
+)
 from tests.conftest import make_engine_pair
+from tests.kv_transfer.helpers import RecordsSent, assert_landed_equals_sent
 
 SECRET = "gloo-test-secret"
 PROMPTS = ["A gloo transfer carries this prompt", "Another prompt, with a few more tokens in it than the first one"]
@@ -31,8 +38,13 @@ def receiver_for(decode, secret=SECRET, timeout_s: float = 30):
 
 
 class RecordingSink(RecordsSent, TorchDistKVSink):
-    def _frame_tensor(self, data):
-        return super()._frame_tensor(self.corrupt(data, layer=3))
+    def _payload_tensor(self, request_id, layer, payload):
+        """Flip one bit of the corrupt request's layer-3 payload; its header keeps the checksum
+        of the original bytes."""
+        if request_id == self.corrupt_request and layer == 3:
+            payload = payload.clone()
+            payload[11] ^= 0x40
+        return payload
 
 
 def reserve(decode, prompts, params, tag):
@@ -55,29 +67,61 @@ def decode_all(decode, inbox):
 
 def test_gloo_transfer_between_threads_decodes_like_colocated(engines, llm):
     prefill, decode = engines
+    _transfer_and_compare(prefill, decode, llm, "t")
+
+
+def test_the_gpu_checksum_path_over_gloo(engines, llm, monkeypatch):
+    """The checksum NCCL pairs use (computed where the bytes are), on the same transfer."""
+    monkeypatch.setitem(torch_dist.CHECKSUMS, "gloo", payload_checksum)
+    prefill, decode = engines
+    _transfer_and_compare(prefill, decode, llm, "g")
+
+
+def test_payload_backend_and_checksum():
+    assert payload_backend("cuda", "cuda") == "nccl"
+    assert payload_backend("cuda", "cpu") == payload_backend("cpu", "cuda") == payload_backend("cpu", "cpu") == "gloo"
+    generator = torch.Generator().manual_seed(3)
+    for size in (1, 3, 4, 1001, 4096):
+        data = torch.randint(0, 256, (size,), dtype=torch.uint8, generator=generator)
+        raw = bytes(data.tolist()) + bytes(-size % 4)
+        words = [int.from_bytes(raw[i:i + 4], "little", signed=True) for i in range(0, len(raw), 4)]
+        s1 = sum(words) % 2**64
+        s2 = sum((i + 1) * w for i, w in enumerate(words)) % 2**64
+        assert payload_checksum(data) == (s2 * 0x9E3779B97F4A7C15 + s1 + len(words)) % 2**64
+    data = torch.randint(0, 256, (64,), dtype=torch.uint8, generator=generator)
+    flipped = data.clone()
+    flipped[17] ^= 1
+    swapped = data.view(torch.int32)[[1, 0, *range(2, 16)]].view(torch.uint8)
+    assert len({payload_checksum(data), payload_checksum(flipped), payload_checksum(swapped)}) == 3
+
+
+def _transfer_and_compare(prefill, decode, llm, tag):
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     inbox, receiver = receiver_for(decode)
     sink = RecordingSink(receiver.address, SECRET, max_chunk_bytes=8192)
-    for request_id, ids, from_pos, seed in reserve(decode, PROMPTS, params, "t"):
+    for request_id, ids, from_pos, seed in reserve(decode, [f"[{tag}] {p}" for p in PROMPTS], params, tag):
         prefill.add_request(prefill.make_request(request_id, ids, prefill_side_params(params, seed)), KVExport(sink, from_pos))
     while prefill.has_unfinished_requests():
         prefill.step()
     assert sink.finish() is None
     stats = receiver.join(30)
-    assert stats.error is None and stats.rejected == {}
+    assert stats.error is None and stats.rejected == {} and stats.backend == sink.backend == "gloo"
     assert stats.bytes_received == sink.bytes_sent == sum(kv.numel() * 4 for *_, kv in sink.sent)
     tokens, drained = decode_all(decode, inbox)
     assert drained.failed == {}
-    reference = llm.generate(PROMPTS, params)
-    assert [tokens["t0"], tokens["t1"]] == [r.outputs[0].token_ids for r in reference]
+    reference = llm.generate([f"[{tag}] {p}" for p in PROMPTS], params)
+    assert [tokens[f"{tag}0"], tokens[f"{tag}1"]] == [r.outputs[0].token_ids for r in reference]
 
 
-def test_gloo_landed_kv_equals_sent_and_corruption_is_refused(engines):
+@pytest.mark.parametrize("checksum", ["xxh3", "gpu"])
+def test_gloo_landed_kv_equals_sent_and_corruption_is_refused(engines, monkeypatch, checksum):
+    if checksum == "gpu":  # the NCCL pairs' checksum, here over gloo
+        monkeypatch.setitem(torch_dist.CHECKSUMS, "gloo", payload_checksum)
     prefill, decode = engines
     params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
     inbox, receiver = receiver_for(decode)
     sink = RecordingSink(receiver.address, SECRET, corrupt_request="k1")
-    fresh = ["Bits for gloo: " + p for p in PROMPTS]
+    fresh = [f"Bits for gloo ({checksum}): " + p for p in PROMPTS]
     for request_id, ids, from_pos, seed in reserve(decode, fresh, params, "k"):
         prefill.add_request(prefill.make_request(request_id, ids, prefill_side_params(params, seed)), KVExport(sink, from_pos))
     while prefill.has_unfinished_requests():
@@ -100,6 +144,32 @@ def test_gloo_sender_without_the_secret_is_refused(engines):
     sink.finish()
     stats = receiver.join(30)
     assert "secret" in stats.error and stats.bytes_received == 0 and len(inbox) == 0
+
+
+class _OversizedHeaderSink(TorchDistKVSink):
+    """Sends layer 0 as it is, then announces a layer-1 chunk far larger than any receiver accepts."""
+
+    def _send_layer(self, pair, request_id, layer, start_pos, kv):
+        if layer == 0:
+            return super()._send_layer(pair, request_id, layer, start_pos, kv)
+        header = torch_dist.chunk_header(request_id, layer, start_pos, kv, 0)
+        header.chunk.payload_bytes = 1 << 40
+        pair.send_frame(torch_dist._bytes_tensor(torch_dist.frame(header)))
+
+
+def test_a_chunk_larger_than_the_limit_ends_the_pair_and_fails_its_requests(engines):
+    _, decode = engines
+    inbox, receiver = receiver_for(decode)
+    sink = _OversizedHeaderSink(receiver.address, SECRET, timeout_s=10)
+    shape = decode.kv_cache.layers[0].shape[2:]
+    sink.send_layer("big", 0, 0, torch.ones(2, *shape))
+    sink.send_layer("big", 1, 0, torch.ones(2, *shape))
+    sink.finish(30)
+    stats = receiver.join(30)
+    assert "payload bytes (limit" in stats.error and stats.chunks_received == 1
+    arrivals = inbox._items
+    assert [type(a).__name__ for a in arrivals] == ["KVArrival", "TransferFailed"]
+    assert arrivals[1].request_id == "big" and "ended early" in arrivals[1].reason
 
 
 def _prefill_process(model_dir, address, plan, params, result_queue):
