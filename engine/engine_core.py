@@ -18,7 +18,12 @@ from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.kv_cache.block_hash import namespace_digest
 from engine.kv_cache.block_pool import BlockPool
-from engine.kv_cache.kv_cache import KVCache, activation_headroom, gpu_kv_budget, num_blocks_for
+from engine.kv_cache.kv_cache import (
+    KVCache,
+    activation_headroom,
+    gpu_kv_budget,
+    num_blocks_for,
+)
 from engine.kv_cache.manager import KVCacheManager
 from engine.model_info import ModelInfo
 from engine.model_runner import ModelRunner
@@ -26,7 +31,13 @@ from engine.models.loader import load_model
 from engine.models.ops import select_ops
 from engine.outputs import Logprob, PositionLogprobs
 from engine.platform import resolve_device
-from engine.remote_kv import KVExport, KVExporter, KVFailurePolicy, KVImporter, PrefillTiming
+from engine.remote_kv import (
+    KVExport,
+    KVExporter,
+    KVFailurePolicy,
+    KVImporter,
+    PrefillTiming,
+)
 from engine.request import Request, RequestStatus, RequestTimes
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, TokenUpdate
@@ -82,10 +93,8 @@ class EngineCore:
         ops = select_ops(device)
         backend = make_attention_backend(config.attention_backend, device, model_cfg.dtype, ops.kernels)
         self.model = load_model(model_cfg, backend, ops, device)  # first: on a GPU, the KV cache takes what is left
-        cache = config.cache
-        measure = device.type == "cuda" and cache.num_kv_blocks is None and cache.kv_cache_memory_bytes is None
         num_blocks = num_blocks_for(model_cfg.arch, config.cache, model_cfg.dtype,
-                                    self._gpu_kv_budget(device) if measure else None)
+                                    (lambda: self._gpu_kv_budget(device)) if device.type == "cuda" else None)
         capacity = num_blocks * config.cache.block_size
         if capacity < model_cfg.max_model_len:
             raise ValueError(

@@ -9,7 +9,13 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, parse_dtype
+from engine.config import (
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    SchedulerConfig,
+    parse_dtype,
+)
 from engine.engine_core import EngineCore
 from engine.llm_engine import LLMEngine
 from engine.model_info import load_model_info

@@ -10,7 +10,12 @@ from engine.attention.backend import AttentionBackend, BatchLayout
 from engine.kv_cache.kv_cache import KVCache, slot_indices
 from engine.models.llama import CausalLM
 from engine.sampler import Sampler, gather_logprobs
-from engine.scheduler_types import RunnerOutput, ScheduledSeq, SchedulerOutput, TokenLogprobs
+from engine.scheduler_types import (
+    RunnerOutput,
+    ScheduledSeq,
+    SchedulerOutput,
+    TokenLogprobs,
+)
 
 
 class ModelRunner:

@@ -16,6 +16,7 @@ from jinja2 import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as RustTokenizer
 
+
 class ChatTemplateError(ValueError):
     """The messages could not be rendered with the model's chat template."""
 

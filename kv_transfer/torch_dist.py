@@ -34,9 +34,20 @@ import xxhash
 
 from engine.remote_kv import KVSink, PrefillTiming
 from engine.scheduler_types import SampledToken
-from kv_transfer.grpc_transport import LayerSend, first_token_arrival, first_token_message
+from kv_transfer.grpc_transport import (
+    LayerSend,
+    first_token_arrival,
+    first_token_message,
+)
 from kv_transfer.inbox import EngineInbox, KVArrival, TransferFailed
-from kv_transfer.wire import CorruptChunkError, check_chunk_header, chunk_header, chunk_parts, frame, parse_frame
+from kv_transfer.wire import (
+    CorruptChunkError,
+    check_chunk_header,
+    chunk_header,
+    chunk_parts,
+    frame,
+    parse_frame,
+)
 from proto import kv_transfer_pb2 as pb
 
 _RECEIVER, _SENDER = 0, 1
@@ -129,7 +140,8 @@ class _Pair:
         return data
 
     def send_payload(self, data: torch.Tensor) -> None:
-        work = self.payload.send([data.to(self.payload_device)], self.peer, 1)
+        """``data``: a uint8 tensor on ``payload_device``."""
+        work = self.payload.send([data], self.peer, 1)
         _wait(work, self.backend == "nccl", time.monotonic() + self.timeout_s, "send")
 
     def recv_payload(self, num_bytes: int) -> torch.Tensor:
@@ -199,13 +211,15 @@ class TorchDistKVReceiver:
     def _handle(self, pair: _Pair, message: pb.KVMessage) -> None:
         kind = message.WhichOneof("kind")
         request_id = getattr(message, kind).request_id
-        if kind == "chunk":
+        payload = None
+        if kind == "chunk":  # its bytes follow on the payload channel: take them whatever happens next
             num_bytes = message.chunk.payload_bytes
             if not 0 < num_bytes <= self._max_chunk_bytes:  # the stream cannot be followed past this
                 raise CorruptChunkError(f"chunk of {num_bytes} payload bytes (limit {self._max_chunk_bytes})")
             payload = pair.recv_payload(num_bytes)
-            if request_id in self.stats.rejected:
-                return
+        if request_id in self.stats.rejected:
+            return
+        if kind == "chunk":
             try:
                 shape = check_chunk_header(message.chunk, self._dtype, self._token_shape)
                 if pair.checksum(payload) != message.chunk.checksum:
@@ -218,10 +232,8 @@ class TorchDistKVReceiver:
             self._open.setdefault(request_id, time.monotonic())
             kv = payload.view(self._dtype).view(shape)
             self._inbox.put(KVArrival(request_id, message.chunk.layer, message.chunk.start_pos, kv))
-            self.stats.bytes_received += num_bytes
+            self.stats.bytes_received += payload.numel()
             self.stats.chunks_received += 1
-        elif request_id in self.stats.rejected:
-            return
         elif kind == "first_token":
             self._inbox.put(first_token_arrival(message.first_token, self._open.pop(request_id, None)))
         else:

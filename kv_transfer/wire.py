@@ -112,8 +112,9 @@ def check_chunk_header(chunk: pb.KVChunk, dtype: torch.dtype, token_shape: tuple
     shape = tuple(chunk.shape)
     if len(shape) != 3 or shape[0] != chunk.num_tokens or shape[0] < 1 or shape[1:] != tuple(token_shape):
         raise CorruptChunkError(f"chunk shape {shape} does not fit [num_tokens={chunk.num_tokens}, *{token_shape}]")
-    if chunk.payload_bytes != shape[0] * shape[1] * shape[2] * torch.tensor([], dtype=dtype).element_size():
-        raise CorruptChunkError(f"chunk says {chunk.payload_bytes} payload bytes, its shape needs another number")
+    expected_bytes = shape[0] * shape[1] * shape[2] * torch.tensor([], dtype=dtype).element_size()
+    if chunk.payload_bytes != expected_bytes:
+        raise CorruptChunkError(f"chunk says {chunk.payload_bytes} payload bytes, its shape needs {expected_bytes}")
     return shape
 
 

@@ -18,7 +18,10 @@ def make_attention_backend(name: str, device: torch.device | str, dtype: torch.d
     if name == "auto":
         name = "triton" if device.type == "cuda" else "torch"
     if name == "triton":
-        from engine.triton_ops.common import TritonUnavailable, triton_unavailable_reason
+        from engine.triton_ops.common import (
+            TritonUnavailable,
+            triton_unavailable_reason,
+        )
 
         reason = triton_unavailable_reason(device)
         if reason:

@@ -9,7 +9,9 @@ from dataclasses import dataclass
 import torch
 
 from engine.attention.backend import AttentionBackend, BatchLayout
-from engine.triton_ops.kv_write import write_kv  # imports triton: this module loads only when chosen
+from engine.triton_ops.kv_write import (
+    write_kv,  # imports triton: this module loads only when chosen
+)
 from engine.triton_ops.paged_decode import paged_decode_attention
 from engine.triton_ops.paged_prefill import paged_prefill_attention
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from engine.config import CacheConfig, ModelArchConfig
@@ -16,13 +18,15 @@ CPU_KV_CACHE_BYTES = 1 << 30  # the budget on the CPU when none is given
 
 
 def num_blocks_for(arch: ModelArchConfig, cache: CacheConfig, dtype: torch.dtype,
-                   gpu_budget_bytes: int | None = None) -> int:
+                   gpu_budget: Callable[[], int] | None = None) -> int:
     """The pool size: ``num_kv_blocks`` if given, else the memory budget over one block's bytes.
-    The budget: ``kv_cache_memory_bytes`` if given, else on a GPU what ``gpu_kv_budget`` found,
-    else 1 GiB."""
+    The budget: ``kv_cache_memory_bytes`` if given, else on a GPU what ``gpu_budget()`` measures
+    (called only then), else 1 GiB."""
     if cache.num_kv_blocks is not None:
         return cache.num_kv_blocks
-    budget = next(b for b in (cache.kv_cache_memory_bytes, gpu_budget_bytes, CPU_KV_CACHE_BYTES) if b is not None)
+    budget = cache.kv_cache_memory_bytes
+    if budget is None:
+        budget = gpu_budget() if gpu_budget is not None else CPU_KV_CACHE_BYTES
     return max(1, budget // bytes_per_block(arch, cache.block_size, dtype))
 
 

@@ -9,7 +9,12 @@ from safetensors import safe_open
 
 from engine.attention.backend import AttentionBackend
 from engine.config import ModelConfig
-from engine.models.llama import FUSED_PARAMS, CausalLM, RotaryEmbedding, interleave_rope_rows
+from engine.models.llama import (
+    FUSED_PARAMS,
+    CausalLM,
+    RotaryEmbedding,
+    interleave_rope_rows,
+)
 
 
 def _read_weights(model_dir: Path) -> dict[str, torch.Tensor]:

@@ -23,7 +23,12 @@ from engine.triton_ops.common import (
     dot_mode,
     output_like,
 )
-from engine.triton_ops.paged_decode import LOG2E, TILE_TOKENS, load_kv_tile, softmax_step
+from engine.triton_ops.paged_decode import (
+    LOG2E,
+    TILE_TOKENS,
+    load_kv_tile,
+    softmax_step,
+)
 
 
 @triton.jit

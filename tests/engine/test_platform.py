@@ -42,9 +42,12 @@ def test_the_kv_budget_precedence_and_the_activation_headroom(smollm_dir):
     arch = load_model_info(str(smollm_dir)).arch
     block = bytes_per_block(arch, 16, torch.bfloat16)
     assert block == 2 * 30 * 16 * 3 * 64 * 2  # K and V, 30 layers, 16 tokens, 3 KV heads of 64, 2 bytes
-    assert num_blocks_for(arch, CacheConfig(num_kv_blocks=7), torch.bfloat16, 10 * GIB) == 7
-    assert num_blocks_for(arch, CacheConfig(kv_cache_memory_bytes=block * 5), torch.bfloat16, 10 * GIB) == 5
-    assert num_blocks_for(arch, CacheConfig(), torch.bfloat16, block * 9 + 1) == 9  # the GPU's budget
+    def unmeasured():
+        raise AssertionError("the GPU is measured only when nothing else sets the budget")
+
+    assert num_blocks_for(arch, CacheConfig(num_kv_blocks=7), torch.bfloat16, unmeasured) == 7
+    assert num_blocks_for(arch, CacheConfig(kv_cache_memory_bytes=block * 5), torch.bfloat16, unmeasured) == 5
+    assert num_blocks_for(arch, CacheConfig(), torch.bfloat16, lambda: block * 9 + 1) == 9  # the GPU's budget
     assert num_blocks_for(arch, CacheConfig(), torch.bfloat16) == GIB // block  # 1 GiB on the CPU
     one = activation_headroom(arch, 1, 0, torch.bfloat16)
     # per token: residual, normed input and attention output (3 x 576), Q/K/V (9 + 2 x 3 heads of 64),

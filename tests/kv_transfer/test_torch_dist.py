@@ -19,6 +19,7 @@ from kv_transfer.torch_dist import (
     payload_backend,
     payload_checksum,
 )
+from kv_transfer.wire import chunk_header, frame
 from tests.conftest import make_engine_pair
 from tests.kv_transfer.helpers import RecordsSent, assert_landed_equals_sent
 
@@ -152,9 +153,9 @@ class _OversizedHeaderSink(TorchDistKVSink):
     def _send_layer(self, pair, request_id, layer, start_pos, kv):
         if layer == 0:
             return super()._send_layer(pair, request_id, layer, start_pos, kv)
-        header = torch_dist.chunk_header(request_id, layer, start_pos, kv, 0)
+        header = chunk_header(request_id, layer, start_pos, kv, 0)
         header.chunk.payload_bytes = 1 << 40
-        pair.send_frame(torch_dist._bytes_tensor(torch_dist.frame(header)))
+        pair.send_frame(torch.frombuffer(bytearray(frame(header)), dtype=torch.uint8))
 
 
 def test_a_chunk_larger_than_the_limit_ends_the_pair_and_fails_its_requests(engines):
