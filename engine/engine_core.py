@@ -38,8 +38,8 @@ from engine.remote_kv import (
     KVImporter,
     PrefillTiming,
 )
-from engine.request import Request, RequestStatus, RequestTimes
-from engine.sampling_params import SamplingParams
+from engine.request import ErrorScope, Request, RequestStatus, RequestTimes
+from engine.sampling_params import InvalidParam, SamplingParams
 from engine.scheduler import Scheduler, TokenUpdate
 from engine.scheduler_types import SampledToken, TokenLogprobs
 
@@ -57,6 +57,7 @@ class EngineCoreOutput:
     stop_reason: int | str | None
     num_cached_tokens: int
     error: str | None = None  # why the request failed (finish_reason "error")
+    error_scope: ErrorScope | None = None  # with error: whose fault it was
     kv_recomputed: bool = False  # its remote KV failed and the prompt was prefilled here
     times: RequestTimes | None = None  # on the last output: when it passed each point here
 
@@ -147,13 +148,19 @@ class EngineCore:
         """Validate and build a Request (nothing is allocated)."""
         max_len = self.config.model.max_model_len
         if not prompt_token_ids:
-            raise ValueError("the prompt is empty; give at least one token")
+            raise InvalidParam("prompt", "the prompt is empty; give at least one token")
         vocab = self.config.model.arch.vocab_size
         bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab]
         if bad:
-            raise ValueError(f"prompt token ids must be integers in [0, {vocab}); got {bad[:5]}")
+            raise InvalidParam("prompt", f"prompt token ids must be integers in [0, {vocab}); got {bad[:5]}")
+        bad = [t for t in params.stop_token_ids if not 0 <= t < vocab]
+        if bad:
+            raise InvalidParam("stop_token_ids", f"stop_token_ids must be in [0, {vocab}); got {bad[:5]}")
+        for name in ("logprobs", "prompt_logprobs"):
+            if (getattr(params, name) or 0) > vocab:
+                raise InvalidParam(name, f"{name} is {getattr(params, name)}; the vocabulary has {vocab} tokens")
         if len(prompt_token_ids) >= max_len:
-            raise ValueError(
+            raise InvalidParam("prompt", 
                 f"the prompt is {len(prompt_token_ids)} tokens long, but this model's context "
                 f"(max_model_len) is {max_len} tokens, which must also fit at least one generated "
                 "token; shorten the prompt or raise max_model_len"
@@ -235,7 +242,8 @@ class EngineCore:
         self.counters.num_kv_failed += 1
         request.times.finished = time.monotonic()
         return EngineCoreOutput(request_id, [], [], [], "", "error", None, request.num_cached_tokens,
-                                error=f"the prompt's KV transfer failed: {reason}", times=request.times)
+                                error=f"the prompt's KV transfer failed: {reason}",
+                                error_scope=ErrorScope.KV_TRANSFER, times=request.times)
 
     def abort_request(self, request_id: str) -> EngineCoreOutput | None:
         request = self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
@@ -276,6 +284,9 @@ class EngineCore:
                 self.kv_exporter.close(seq.request_id, "error")
             raise
         updates = self.scheduler.update_from_output(scheduled, runner_output)
+        failed_outputs += [self._fail(self.scheduler.requests[request_id], message)
+                           for request_id, message in runner_output.failed.items()
+                           if request_id in self.scheduler.requests]
         now = time.monotonic()
         for update in updates:  # prefill role: the prompt is done, its first token goes along
             request = update.request
@@ -296,7 +307,25 @@ class EngineCore:
             num_prompt = self.scheduler.requests[seq.request_id].num_prompt_tokens
             self.counters.num_prompt_tokens_computed += max(0, min(seq.start_pos + len(seq.token_ids), num_prompt) - seq.start_pos)
 
+    def _fail(self, request: Request, message: str) -> EngineCoreOutput:
+        """End one request with an error of its own; the rest of the batch is untouched."""
+        if not request.status.is_finished:
+            self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_ERROR)
+        request.status = RequestStatus.FINISHED_ERROR
+        self._detokenizers.pop(request.request_id, None)
+        self.kv_exporter.close(request.request_id, "error")
+        request.times.finished = time.monotonic()
+        return EngineCoreOutput(request.request_id, [], [], [], "", "error", None, request.num_cached_tokens,
+                                error=message, error_scope=ErrorScope.REQUEST, times=request.times)
+
     def _process(self, update: TokenUpdate) -> EngineCoreOutput:
+        """Detokenize and apply stop strings; a failure there ends this request only."""
+        try:
+            return self._detokenize(update)
+        except Exception as exc:
+            return self._fail(update.request, f"detokenizing failed: {type(exc).__name__}: {exc}")
+
+    def _detokenize(self, update: TokenUpdate) -> EngineCoreOutput:
         request = update.request
         detok = self._detokenizers[request.request_id]
         params = request.sampling_params

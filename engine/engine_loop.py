@@ -15,7 +15,7 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import Future
 
-from engine.engine_core import EngineCore, EngineCoreOutput
+from engine.engine_core import EngineCore, EngineCoreOutput, ErrorScope
 
 logger = logging.getLogger(__name__)
 
@@ -105,8 +105,8 @@ class EngineLoop:
         except Exception as exc:
             logger.exception("engine step failed")
             gone = [rid for rid in self._listeners if rid not in self.core.scheduler.requests]
-            return [EngineCoreOutput(rid, [], [], [], "", "error", None, 0, error=f"the model step failed: {exc}")
-                    for rid in gone]
+            return [EngineCoreOutput(rid, [], [], [], "", "error", None, 0, error=f"the model step failed: {exc}",
+                                     error_scope=ErrorScope.STEP) for rid in gone]
 
     def _run_calls(self) -> None:
         while True:
@@ -136,7 +136,8 @@ class EngineLoop:
     def _fail_everything(self, exc: BaseException) -> None:
         for request_id, listener in list(self._listeners.items()):
             self.core.abort_request(request_id)
-            listener(EngineCoreOutput(request_id, [], [], [], "", "error", None, 0, error=f"engine failed: {exc}"))
+            listener(EngineCoreOutput(request_id, [], [], [], "", "error", None, 0, error=f"engine failed: {exc}",
+                                      error_scope=ErrorScope.ENGINE))
         self._listeners.clear()
         while True:
             try:

@@ -12,10 +12,13 @@ from engine.models.llama import CausalLM
 from engine.sampler import Sampler, gather_logprobs
 from engine.scheduler_types import (
     RunnerOutput,
+    SampleFailed,
     ScheduledSeq,
     SchedulerOutput,
     TokenLogprobs,
 )
+
+PROMPT_LOGPROBS_ROWS = 256  # prompt positions scored per logits matrix (bounds its memory)
 
 
 class ModelRunner:
@@ -112,19 +115,32 @@ class ModelRunner:
                 lp = seq.prompt_logprobs
                 prompt_rows.append((seq, offset + lp.row_offset, len(lp.target_token_ids)))
             offset += num_new
-        sampled = {}
+        sampled, failed = {}, {}
         if sample_rows:
             logits = self.model.compute_logits(hidden[sample_rows]).cpu()  # [num_sampled, vocab]; sampled on the CPU
             tokens = self.sampler(logits, [seq.sampling for seq in sample_seqs])
-            sampled = {seq.request_id: token for seq, token in zip(sample_seqs, tokens)}
-        prompt_logprobs = {
-            seq.request_id: self._prompt_logprobs(seq, hidden[first : first + count])
-            for seq, first, count in prompt_rows
-        }
-        return RunnerOutput(sampled=sampled, prompt_logprobs=prompt_logprobs)
+            for seq, token in zip(sample_seqs, tokens):
+                if isinstance(token, SampleFailed):
+                    failed[seq.request_id] = token.message
+                else:
+                    sampled[seq.request_id] = token
+        prompt_logprobs = {}
+        for seq, first, count in prompt_rows:
+            try:
+                prompt_logprobs[seq.request_id] = self._prompt_logprobs(seq, hidden[first : first + count])
+            except Exception as exc:  # its own scoring failed: the others' go on
+                failed[seq.request_id] = f"prompt logprobs failed: {type(exc).__name__}: {exc}"
+        return RunnerOutput(sampled=sampled, prompt_logprobs=prompt_logprobs, failed=failed)
 
     def _prompt_logprobs(self, seq: ScheduledSeq, hidden: torch.Tensor) -> list[TokenLogprobs]:
+        """Scores ``PROMPT_LOGPROBS_ROWS`` positions at a time, so the logits held at once stay
+        [PROMPT_LOGPROBS_ROWS, vocab] however long the chunk (a whole --max-num-batched-tokens
+        chunk at once would be chunk x vocab floats: 1.6 GB for 8192 x 49152)."""
         request = seq.prompt_logprobs
-        logprobs = self.model.compute_logits(hidden).log_softmax(dim=-1).cpu()  # [count, vocab]
         targets = torch.tensor(request.target_token_ids, dtype=torch.int64)
-        return gather_logprobs(logprobs, targets, [request.num_top] * len(targets))
+        results: list[TokenLogprobs] = []
+        for first in range(0, len(targets), PROMPT_LOGPROBS_ROWS):
+            rows = slice(first, first + PROMPT_LOGPROBS_ROWS)
+            logprobs = self.model.compute_logits(hidden[rows]).log_softmax(dim=-1).cpu()  # [rows, vocab]
+            results += gather_logprobs(logprobs, targets[rows], [request.num_top] * len(targets[rows]))
+        return results

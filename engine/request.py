@@ -43,6 +43,16 @@ _FINISH_REASONS = {
 }
 
 
+class ErrorScope(enum.Enum):
+    """Whose fault a failed request's error is: workers turn it into a status, and the router
+    decides from it whether another worker could do better (DESIGN.md's failure rules)."""
+
+    REQUEST = "request"  # its own sampling, stop handling or detokenizing; the step went on for the rest
+    STEP = "step"  # the forward pass failed, and with it every request of the batch
+    KV_TRANSFER = "kv_transfer"  # its prompt's remote KV failed or came late (fail policy)
+    ENGINE = "engine"  # the engine loop died
+
+
 @dataclass(slots=True)
 class RequestTimes:
     """When a request passed each point, on this process's ``time.monotonic()`` clock (None:

@@ -13,7 +13,7 @@ import hashlib
 
 import torch
 
-from engine.scheduler_types import SampledToken, SamplingInput, TokenLogprobs
+from engine.scheduler_types import SampledToken, SampleFailed, SamplingInput, TokenLogprobs
 
 
 def position_seed(seed: int, position: int) -> int:
@@ -90,9 +90,27 @@ def _filter(logits: torch.Tensor, inputs: list[SamplingInput]) -> torch.Tensor:
 
 
 class Sampler:
-    """Picks one token per row of ``logits`` ([n, vocab] float32) under each row's params."""
+    """Picks one token per row of ``logits`` ([n, vocab] float32) under each row's params.
 
-    def __call__(self, logits: torch.Tensor, inputs: list[SamplingInput]) -> list[SampledToken]:
+    Rows are independent (each row's operations read only that row, and its draw has its own
+    generator), so when the batch fails, each row is sampled on its own: a row whose own
+    parameters break sampling gets ``SampleFailed`` and the others the tokens they would have
+    got in the batch."""
+
+    def __call__(self, logits: torch.Tensor, inputs: list[SamplingInput]) -> list[SampledToken | SampleFailed]:
+        try:
+            return self._sample(logits, inputs)
+        except Exception:
+            pass
+        results: list[SampledToken | SampleFailed] = []
+        for row, item in enumerate(inputs):
+            try:
+                results.extend(self._sample(logits[row : row + 1], [item]))
+            except Exception as exc:
+                results.append(SampleFailed(f"sampling failed: {type(exc).__name__}: {exc}"))
+        return results
+
+    def _sample(self, logits: torch.Tensor, inputs: list[SamplingInput]) -> list[SampledToken]:
         wants_logprobs = [i.params.logprobs is not None for i in inputs]
         raw_logprobs = logits.log_softmax(dim=-1) if any(wants_logprobs) else None
         processed = logits.clone()

@@ -4,6 +4,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+MAX_SEED = (1 << 64) - 1  # seeds are 64-bit unsigned (the worker protocol's uint64)
+
+
+class InvalidParam(ValueError):
+    """A request field the engine cannot accept. ``param`` names the field (the OpenAI error
+    body's ``param``), so every edge can tell the client which one is at fault."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
@@ -46,8 +57,15 @@ class SamplingParams:
         self._validate()
 
     def _validate(self) -> None:
-        def fail(message: str) -> None:
-            raise ValueError(message)
+        for name, value in (("temperature", self.temperature), ("top_p", self.top_p), ("min_p", self.min_p),
+                            ("repetition_penalty", self.repetition_penalty),
+                            ("presence_penalty", self.presence_penalty),
+                            ("frequency_penalty", self.frequency_penalty)):
+            if value != value or value in (float("inf"), float("-inf")):
+                raise InvalidParam(name, f"{name} must be a finite number, got {value}")
+
+        def fail(message: str) -> None:  # every message starts with the field it is about
+            raise InvalidParam(message.split(" ", 1)[0], message)
 
         if not isinstance(self.n, int) or self.n < 1:
             fail(f"n must be at least 1, got {self.n}")
@@ -79,8 +97,8 @@ class SamplingParams:
             fail("stop strings must not be empty")
         if any((not isinstance(t, int)) or t < 0 for t in self.stop_token_ids):
             fail(f"stop_token_ids must be non-negative integers, got {list(self.stop_token_ids)}")
-        if self.seed is not None and not isinstance(self.seed, int):
-            fail(f"seed must be an integer, got {self.seed!r}")
+        if self.seed is not None and (not isinstance(self.seed, int) or not 0 <= self.seed <= MAX_SEED):
+            fail(f"seed must be an integer in [0, 2**64), got {self.seed!r}")
 
     @property
     def is_greedy(self) -> bool:

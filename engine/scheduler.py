@@ -219,6 +219,8 @@ class Scheduler:
             request = self.requests.get(seq.request_id)
             if request is None or request.status is not RequestStatus.RUNNING:
                 continue  # aborted or preempted after scheduling
+            if seq.request_id in output.failed:
+                continue  # its own sampling failed: the engine core ends it with an error
             request.num_computed_tokens += len(seq.token_ids)
             self.kv.cache_full_blocks(request)  # before a finish frees the blocks
             new_prompt_lp = output.prompt_logprobs.get(seq.request_id, [])

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from engine.sampling_params import SamplingParams
 
@@ -68,6 +68,15 @@ class SampledToken:
 
 
 @dataclass(frozen=True, slots=True)
+class SampleFailed:
+    """Sampling (or scoring the prompt of) one sequence failed for a reason of its own; the
+    other sequences of the step were sampled as usual."""
+
+    message: str  # what went wrong, for the request's error
+
+
+@dataclass(frozen=True, slots=True)
 class RunnerOutput:
     sampled: dict[str, SampledToken]  # request id -> token sampled this step
     prompt_logprobs: dict[str, list[TokenLogprobs]]  # request id -> one per prompt position covered
+    failed: dict[str, str] = field(default_factory=dict)  # request id -> why its own sampling failed
