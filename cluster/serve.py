@@ -110,7 +110,19 @@ def add_serve_parser(commands) -> None:
                    help="where each worker's model and KV cache live (auto: CUDA when the worker sees a GPU)")
     p.add_argument("--max-num-batched-tokens", type=int, default=_env("MAX_NUM_BATCHED_TOKENS", 8192, int),
                    help="tokens per forward pass: the chunked-prefill budget")
-    p.add_argument("--max-queue", type=int, default=_env("MAX_QUEUE", 256, int), help="requests in flight before 429")
+    p.add_argument("--max-queue", type=int, default=_env("MAX_QUEUE", 256, int),
+                   help="sequences (prompts x n) in flight before new requests get 429; tokenize calls count one")
+    p.add_argument("--max-n", type=int, default=_env("MAX_N", 16, int), help="choices (n) per prompt")
+    p.add_argument("--max-prompts-per-request", type=int, default=_env("MAX_PROMPTS_PER_REQUEST", 64, int),
+                   help="prompts in one /v1/completions request")
+    p.add_argument("--max-stop-strings", type=int, default=_env("MAX_STOP_STRINGS", 16, int),
+                   help="entries in a request's stop")
+    p.add_argument("--max-stop-string-len", type=int, default=_env("MAX_STOP_STRING_LEN", 256, int),
+                   help="characters per stop string")
+    p.add_argument("--max-input-chars", type=int, default=_env("MAX_INPUT_CHARS", 1 << 20, int),
+                   help="characters of prompt or message text per request, checked before tokenizing")
+    p.add_argument("--tokenizer-threads", type=int, default=_env("TOKENIZER_THREADS", 2, int),
+                   help="the router's pool that tokenizes and renders chat templates (off its event loop)")
     p.add_argument("--kv-transport", choices=list(_TRANSPORTS), default=_env("KV_TRANSPORT", "grpc"))
     p.add_argument("--kv-failure-policy", choices=["recompute", "fail"], default=_env("KV_FAILURE_POLICY", "recompute"))
     p.add_argument("--routing-policy", choices=["prefix", "load", "round-robin"], default=_env("ROUTING_POLICY", "prefix"))
@@ -287,13 +299,17 @@ def _serve(args, info, engine, max_model_len: int, sizes: dict[str, PoolSize], p
     from cluster.autoscale import PoolAutoscaler, ScaleRule
     from router.app import build_app
     from router.grpc_api import PublicGrpcServer
+    from router.limits import RequestLimits
     from router.prefix_index import PrefixIndex
     from router.state import RouterConfig, RouterState
     from router.workers import WorkerPool
     from telemetry.tracing import ROUTER_SERVICE, setup_tracing
 
+    limits = RequestLimits(max_n=args.max_n, max_prompts=args.max_prompts_per_request, max_stop=args.max_stop_strings,
+                           max_stop_len=args.max_stop_string_len, max_input_chars=args.max_input_chars)
     config = RouterConfig(served_model_name=args.served_model_name or args.model, max_model_len=max_model_len,
-                          api_key=args.api_key, max_queue=args.max_queue, kv_transport=_TRANSPORTS[args.kv_transport],
+                          api_key=args.api_key, max_queue=args.max_queue, limits=limits,
+                          tokenizer_threads=args.tokenizer_threads, kv_transport=_TRANSPORTS[args.kv_transport],
                           drain_timeout_s=args.drain_timeout, local_prefill_max_tokens=args.local_prefill_max_tokens)
     pool = WorkerPool([], [], secret, policy)
     index = PrefixIndex(args.redis_url) if args.routing_policy == "prefix" else None

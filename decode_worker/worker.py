@@ -33,6 +33,9 @@ from kv_transfer.worker_rpc import (
     CHANNEL_OPTIONS,
     ServerConfig,
     WorkerServer,
+    abort_failed,
+    abort_invalid,
+    check_request_id,
     output_to_chunk,
     params_from_proto,
     params_to_proto,
@@ -149,13 +152,14 @@ class DecodeWorker(pb_grpc.DecodeWorkerServicer):
         request_id = request.request_id or f"gen-{uuid.uuid4().hex}"
         stream = _Stream(asyncio.get_running_loop())
         try:
+            check_request_id(request_id)
             params = params_from_proto(request.params)
             admission = await asyncio.wrap_future(self.engine_loop.call(self._admit, request_id, request, params, stream))
             admission.received = received
             if self.tracing is not None:
                 admission.trace_parent = extract(context.invocation_metadata())
         except ValueError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            await abort_invalid(context, exc)
         except _NoCapacity as exc:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         prefill = None
@@ -172,8 +176,7 @@ class DecodeWorker(pb_grpc.DecodeWorkerServicer):
                 finished = output.finish_reason is not None
                 stages = self._finished(request_id, admission, output) if output.times is not None else None
                 if output.error is not None:
-                    code = grpc.StatusCode.UNAVAILABLE if "KV transfer" in output.error else grpc.StatusCode.INTERNAL
-                    await context.abort(code, output.error)
+                    await abort_failed(context, output)
                 chunk = output_to_chunk(output, admission.num_prompt_tokens)
                 if stages is not None:
                     chunk.stages.CopyFrom(stages)

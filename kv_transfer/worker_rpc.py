@@ -16,7 +16,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from engine.engine_core import EngineCore, EngineCoreOutput
 from engine.outputs import PositionLogprobs
-from engine.sampling_params import SamplingParams
+from engine.request import ErrorScope
+from engine.sampling_params import InvalidParam, SamplingParams
 from kv_transfer.grpc_transport import CHANNEL_OPTIONS, SECRET_METADATA_KEY
 from proto import worker_pb2 as pb
 
@@ -112,6 +113,39 @@ class WorkerServer:
             asyncio.run_coroutine_threadsafe(self._server.stop(grace_s), self.loop).result(grace_s + 5)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(5)
+
+
+# -- errors on the worker RPCs ---------------------------------------------------------------
+ERROR_SCOPE_KEY = "tandem-error-scope"  # trailing metadata of a failed Generate: an ErrorScope value
+ERROR_PARAM_KEY = "tandem-error-param"  # trailing metadata of an INVALID_ARGUMENT: the field at fault
+MAX_REQUEST_ID_LEN = 256  # longer ids are refused (they travel in every KV frame's header)
+_SCOPE_CODES = {
+    ErrorScope.REQUEST: grpc.StatusCode.INTERNAL,  # not retried: another worker would fail it too
+    ErrorScope.STEP: grpc.StatusCode.INTERNAL,
+    ErrorScope.KV_TRANSFER: grpc.StatusCode.UNAVAILABLE,
+    ErrorScope.ENGINE: grpc.StatusCode.UNAVAILABLE,
+}
+
+
+async def abort_failed(context, output: EngineCoreOutput) -> None:
+    """End a call whose request failed in the engine: the status its scope calls for, the
+    scope in the trailing metadata (the router retries only faults that are not the
+    request's own)."""
+    scope = output.error_scope or ErrorScope.STEP
+    context.set_trailing_metadata(((ERROR_SCOPE_KEY, scope.value),))
+    await context.abort(_SCOPE_CODES[scope], output.error or "the request failed")
+
+
+async def abort_invalid(context, exc: ValueError) -> None:
+    """INVALID_ARGUMENT, naming the field when the engine did (InvalidParam)."""
+    if isinstance(exc, InvalidParam):
+        context.set_trailing_metadata(((ERROR_PARAM_KEY, exc.param),))
+    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+
+
+def check_request_id(request_id: str) -> None:
+    if len(request_id) > MAX_REQUEST_ID_LEN:
+        raise InvalidParam("request_id", f"request_id is {len(request_id)} characters; at most {MAX_REQUEST_ID_LEN}")
 
 
 def secret_metadata(secret: str) -> tuple[tuple[str, str], ...]:

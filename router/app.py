@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 import time
 import uuid
 
@@ -14,9 +13,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from router import errors
+from router import errors, openapi
 from router.errors import APIError, error_response
-from router.openai_api import prepare_chat, prepare_completion, respond
+from router.limits import check_input_chars, check_request_id, check_token_ids
+from router.openai_api import chat_token_ids, check_chat, check_completion, prepare_chat, prepare_completion, respond
 from router.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -29,26 +29,28 @@ logger = logging.getLogger("tandem.router")
 
 VERSION = "0.1.0"
 _OPEN_PATHS = {"/health", "/ready", "/metrics"}
-_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 
 
 def build_app(state: RouterState) -> FastAPI:
     app = FastAPI(title="tandem", version=VERSION)
     app.state.router = state
     errors.install(app)
+    openapi.install(app, state)
     app.add_middleware(_BodyLimit, max_bytes=state.config.max_body_bytes)
     app.add_middleware(_RequestContext, state=state)  # outermost: every response carries the id
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         request_id = request.state.request_id
-        prepared = state.admit(lambda: prepare_completion(state, body, request_id), request_id)
+        num_sequences = check_completion(state, body)
+        prepared = await state.admit(lambda: prepare_completion(state, body, request_id), request_id, num_sequences)
         return await respond(state, prepared, body.stream)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         request_id = request.state.request_id
-        prepared = state.admit(lambda: prepare_chat(state, body, request_id), request_id)
+        num_sequences = check_chat(state, body)
+        prepared = await state.admit(lambda: prepare_chat(state, body, request_id), request_id, num_sequences)
         return await respond(state, prepared, body.stream)
 
     @app.get("/v1/models")
@@ -61,23 +63,22 @@ def build_app(state: RouterState) -> FastAPI:
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest):
         state.check_model(body.model)
-        tokenizer = state.tokenizer
+        limits = state.config.limits
         if body.messages is not None:
-            conversation = [{"role": m.role, "content": m.text()} for m in body.messages]
-            text = tokenizer.apply_chat_template(conversation, body.add_generation_prompt)
-            tokens = tokenizer.encode(text, add_special_tokens=False)
+            check_input_chars(limits, [m.text() for m in body.messages], "messages")
         else:
-            tokens = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+            check_input_chars(limits, [body.prompt], "prompt")
+        async with state.admitted():
+            tokens = await state.run_frontend(lambda: _tokenize(state, body))
         return {"count": len(tokens), "max_model_len": state.config.max_model_len, "tokens": tokens}
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest):
         state.check_model(body.model)
-        vocab = state.tokenizer.vocab_size
-        bad = [t for t in body.tokens if not 0 <= t < vocab]
-        if bad:
-            raise APIError(400, f"token ids must be in [0, {vocab}); got {bad[:5]}", "tokens")
-        return {"prompt": state.tokenizer.decode(body.tokens)}
+        check_token_ids(body.tokens, state.vocab_size, "tokens")
+        async with state.admitted():
+            text = await state.run_frontend(lambda: state.tokenizer.decode(body.tokens))
+        return {"prompt": text}
 
     @app.get("/version")
     async def version():
@@ -100,6 +101,13 @@ def build_app(state: RouterState) -> FastAPI:
     return app
 
 
+def _tokenize(state: RouterState, body: TokenizeRequest) -> list[int]:
+    if body.messages is None:
+        return state.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+    conversation = [{"role": m.role, "content": m.text()} for m in body.messages]
+    return chat_token_ids(state, conversation, body.add_generation_prompt)[1]
+
+
 class _RequestContext:
     """X-Request-Id in and out, the API key, and one structured log line per request. Plain
     ASGI (not BaseHTTPMiddleware): streamed chunks pass straight through."""
@@ -112,8 +120,12 @@ class _RequestContext:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = dict(scope.get("headers", ()))
-        given = headers.get(b"x-request-id", b"").decode("latin-1")
-        request_id = given if _REQUEST_ID.match(given) else uuid.uuid4().hex
+        given, request_id, refused = headers.get(b"x-request-id"), uuid.uuid4().hex, None
+        if given is not None:
+            try:
+                request_id = check_request_id(given.decode("latin-1"), "X-Request-Id")
+            except APIError as exc:  # answered with a 400 that carries one of our ids
+                refused = exc
         scope.setdefault("state", {})["request_id"] = request_id
         path, start, status = scope["path"], time.perf_counter(), [500]
 
@@ -124,7 +136,9 @@ class _RequestContext:
             await send(message)
 
         authorization = headers.get(b"authorization", b"").decode("latin-1")
-        if path not in _OPEN_PATHS and not self.state.check_key(authorization):
+        if refused is not None:
+            await error_response(400, refused.message, refused.param)(scope, receive, send_with_id)
+        elif path not in _OPEN_PATHS and not self.state.check_key(authorization):
             response = error_response(401, "invalid or missing API key (send Authorization: Bearer <key>)")
             await response(scope, receive, send_with_id)
         else:

@@ -9,6 +9,7 @@ cancels its prefill: nothing stays behind on any worker."""
 from __future__ import annotations
 
 import asyncio
+import secrets
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -16,6 +17,8 @@ from dataclasses import dataclass
 import grpc
 
 from engine.kv_cache.block_hash import hash_blocks
+from engine.request import ErrorScope
+from kv_transfer.worker_rpc import ERROR_PARAM_KEY, ERROR_SCOPE_KEY
 from proto import worker_pb2 as pb
 from router.errors import APIError
 from router.policy import RouteRequest
@@ -49,8 +52,15 @@ class SequenceFailed:
     error: APIError
 
 
+def _is_own_fault(exc: grpc.aio.AioRpcError) -> bool:
+    """The request failed for a reason of its own (the engine says so): another worker
+    would fail it the same way, so it is not retried."""
+    return (ERROR_SCOPE_KEY, ErrorScope.REQUEST.value) in tuple(exc.trailing_metadata() or ())
+
+
 def api_error(exc: grpc.aio.AioRpcError) -> APIError:
-    return APIError(_HTTP_STATUS.get(exc.code(), 500), f"worker error ({exc.code().name}): {exc.details()}")
+    param = dict(exc.trailing_metadata() or ()).get(ERROR_PARAM_KEY)
+    return APIError(_HTTP_STATUS.get(exc.code(), 500), f"worker error ({exc.code().name}): {exc.details()}", param)
 
 
 class Dispatcher:
@@ -88,7 +98,7 @@ class Dispatcher:
                     yield chunk
                 return
             except grpc.aio.AioRpcError as exc:
-                if started or attempt == 1 or exc.code() not in _RETRYABLE:
+                if started or attempt == 1 or exc.code() not in _RETRYABLE or _is_own_fault(exc):
                     raise api_error(exc) from None
                 self._on_decision("retry")
                 tried.add(assignment.decode.address)
@@ -116,6 +126,9 @@ class Dispatcher:
                        trace: SequenceTrace) -> AsyncIterator[pb.GenerateChunk]:
         request = pb.GenerateRequest()
         request.CopyFrom(sequence.request)
+        # unique per attempt on the workers: clients may reuse ids, and a stale stream of an
+        # earlier attempt (or request) must never meet this one (as vLLM, a random suffix)
+        request.request_id = f"{sequence.request.request_id}-{secrets.token_hex(4)}"
         decode, prefill = assignment.decode, assignment.prefill
         num_prompt = len(request.prompt_token_ids)
         # what the decode worker lacks, by what it really holds (not by what is on its way there)

@@ -51,6 +51,8 @@ def validation_message(errors: list[dict]) -> tuple[str, str | None]:
     first = errors[0] if errors else {}
     location = [str(part) for part in first.get("loc", ()) if part != "body"]
     message = first.get("msg", "invalid request").removeprefix("Value error, ")
+    if first.get("type") == "json_invalid":  # the body is not JSON: no field is at fault
+        return f"the body is not valid JSON: {first.get('ctx', {}).get('error', message)}", None
     if first.get("type") == "extra_forbidden":
         message = f"unknown field '{location[-1]}'" if location else "unknown field"
     elif location:

@@ -11,12 +11,13 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from pydantic import ValidationError
 
-from kv_transfer.worker_rpc import CHANNEL_OPTIONS
+from kv_transfer.worker_rpc import CHANNEL_OPTIONS, ERROR_PARAM_KEY
 from proto import generation_pb2 as pb
 from proto import generation_pb2_grpc as pb_grpc
 from router.dispatch import SequenceChunk
 from router.errors import APIError, validation_message
-from router.openai_api import Choice, prepare_chat, prepare_completion, usage_of
+from router.limits import check_input_chars, check_request_id
+from router.openai_api import Choice, chat_token_ids, check_chat, check_completion, prepare_chat, prepare_completion, usage_of
 from router.protocol import ChatCompletionRequest, CompletionRequest
 from router.state import RouterState
 
@@ -43,7 +44,8 @@ def _request_body(request: pb.GenerationRequest) -> dict:
                 stop_token_ids=list(params.stop_token_ids) or None, ignore_eos=params.ignore_eos,
                 min_tokens=params.min_tokens, include_stop_str_in_output=params.include_stop_str_in_output)
     if params.HasField("prompt_logprobs"):
-        raise APIError(400, "prompt_logprobs is not supported over gRPC yet; use the HTTP API's echo")
+        raise APIError(400, "prompt_logprobs is not supported over gRPC yet; use the HTTP API's echo",
+                       "params.prompt_logprobs")
     kind = request.WhichOneof("input")
     if kind == "chat":
         body["messages"] = [{"role": m.role, "content": m.content} for m in request.chat.messages]
@@ -51,7 +53,7 @@ def _request_body(request: pb.GenerationRequest) -> dict:
             body.update(logprobs=True, top_logprobs=params.logprobs)
     else:
         if kind is None:
-            raise APIError(400, "give the input: text, chat or token_ids")
+            raise APIError(400, "give the input: text, chat or token_ids", "input")
         body["prompt"] = request.text if kind == "text" else list(request.token_ids.ids)
         if params.HasField("logprobs"):
             body["logprobs"] = params.logprobs
@@ -68,22 +70,33 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, "invalid or missing API key "
                                 "(send metadata authorization: Bearer <key>)")
 
+    async def _abort(self, context, exc: APIError | ValidationError) -> None:
+        """The HTTP API's error as a gRPC status; the field at fault, if any, in the trailing
+        metadata ``tandem-error-param``."""
+        if isinstance(exc, ValidationError):
+            message, param = validation_message(exc.errors())
+            exc = APIError(400, message, param)
+        if exc.param:
+            context.set_trailing_metadata(((ERROR_PARAM_KEY, exc.param),))
+        await context.abort(_CODES.get(exc.status, grpc.StatusCode.INTERNAL), exc.message)
+
     async def Generate(self, request: pb.GenerationRequest, context):
         await self._check_key(context)
-        request_id = request.request_id or uuid.uuid4().hex
         state = self.state
-        def prepare():
+        try:
+            request_id = check_request_id(request.request_id, "request_id") if request.request_id else uuid.uuid4().hex
             body = _request_body(request)
             if "messages" in body:
-                return prepare_chat(state, ChatCompletionRequest.model_validate(body), request_id)
-            return prepare_completion(state, CompletionRequest.model_validate(body), request_id)
-
-        try:
-            prepared = state.admit(prepare, request_id)
+                chat = ChatCompletionRequest.model_validate(body)
+                num_sequences = check_chat(state, chat)
+                prepare = lambda: prepare_chat(state, chat, request_id)  # noqa: E731
+            else:
+                completion = CompletionRequest.model_validate(body)
+                num_sequences = check_completion(state, completion)
+                prepare = lambda: prepare_completion(state, completion, request_id)  # noqa: E731
+            prepared = await state.admit(prepare, request_id, num_sequences)
         except (APIError, ValidationError) as exc:
-            message = exc.message if isinstance(exc, APIError) else validation_message(exc.errors())[0]
-            status = exc.status if isinstance(exc, APIError) else 400
-            await context.abort(_CODES.get(status, grpc.StatusCode.INTERNAL), message)
+            await self._abort(context, exc)
         choices = {s.index: Choice(s.index, s.prompt_index) for s in prepared.sequences}
         try:
             async for item in state.dispatcher.merged(prepared.sequences):
@@ -105,27 +118,30 @@ class GenerationServicer(pb_grpc.GenerationServicer):
 
     async def Tokenize(self, request: pb.TokenizeRequest, context) -> pb.TokenizeResponse:
         await self._check_key(context)
+        state = self.state
+        chat = request.WhichOneof("input") == "chat"
         try:
-            self.state.check_model(request.model or None)
+            state.check_model(request.model or None)
+            texts = [m.content for m in request.chat.messages] if chat else [request.text]
+            check_input_chars(state.config.limits, texts, "chat" if chat else "text")
+            async with state.admitted():
+                ids = await state.run_frontend(lambda: _tokenize(state, request, chat))
         except APIError as exc:
-            await context.abort(grpc.StatusCode.NOT_FOUND, exc.message)
-        tokenizer = self.state.tokenizer
-        if request.WhichOneof("input") == "chat":
-            conversation = [{"role": m.role, "content": m.content} for m in request.chat.messages]
-            try:
-                text = tokenizer.apply_chat_template(conversation, True)
-            except ValueError as exc:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-            ids = tokenizer.encode(text, add_special_tokens=False)
-        else:
-            ids = tokenizer.encode(request.text)
-        return pb.TokenizeResponse(token_ids=ids, max_model_len=self.state.config.max_model_len)
+            await self._abort(context, exc)
+        return pb.TokenizeResponse(token_ids=ids, max_model_len=state.config.max_model_len)
 
     async def ListModels(self, request: pb.ListModelsRequest, context) -> pb.ListModelsResponse:
         await self._check_key(context)
         card = pb.ModelCard(id=self.state.config.served_model_name, max_model_len=self.state.config.max_model_len,
                             owned_by="tandem", created=int(self.state.started))
         return pb.ListModelsResponse(models=[card])
+
+
+def _tokenize(state: RouterState, request: pb.TokenizeRequest, chat: bool) -> list[int]:
+    if not chat:
+        return state.tokenizer.encode(request.text)
+    conversation = [{"role": m.role, "content": m.content} for m in request.chat.messages]
+    return chat_token_ids(state, conversation, True, "chat")[1]
 
 
 def _chunk(index: int, chunk) -> pb.GenerationChunk:

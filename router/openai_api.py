@@ -13,7 +13,9 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from kv_transfer.worker_rpc import params_to_proto
 from proto import worker_pb2 as pb
 from router.dispatch import Sequence, SequenceChunk
+from engine.sampling_params import MAX_SEED, InvalidParam
 from router.errors import APIError, sse_error
+from router.limits import check_sequences
 from router.protocol import ChatCompletionRequest, CompletionRequest
 from router.request_trace import RequestTrace
 from router.state import RouterState
@@ -63,8 +65,22 @@ class Choice:
 
 
 # -- preparing ----------------------------------------------------------------------------------
-def prepare_completion(state: RouterState, body: CompletionRequest, request_id: str) -> _Prepared:
+# ``check_*`` run on the event loop before admission (no tokenizing: cheap, bounded by the
+# limits); ``prepare_*`` run in the tokenizer pool once admitted.
+def check_completion(state: RouterState, body: CompletionRequest) -> int:
+    """Everything that can be checked before tokenizing; returns the request's sequences."""
     state.check_model(body.model)
+    body.check_limits(state.config.limits, state.vocab_size)
+    return check_sequences(state.config.limits, len(body.prompts()), body.n, state.config.max_queue)
+
+
+def check_chat(state: RouterState, body: ChatCompletionRequest) -> int:
+    state.check_model(body.model)
+    body.check_limits(state.config.limits, state.vocab_size)
+    return check_sequences(state.config.limits, 1, body.n, state.config.max_queue)
+
+
+def prepare_completion(state: RouterState, body: CompletionRequest, request_id: str) -> _Prepared:
     tokenizer = state.tokenizer
     texts, ids = [], []
     for prompt in body.prompts():
@@ -80,13 +96,18 @@ def prepare_completion(state: RouterState, body: CompletionRequest, request_id: 
     return prepared
 
 
-def prepare_chat(state: RouterState, body: ChatCompletionRequest, request_id: str) -> _Prepared:
-    state.check_model(body.model)
+def chat_token_ids(state: RouterState, conversation: list[dict], add_generation_prompt: bool,
+                   param: str = "messages") -> tuple[str, list[int]]:
+    """The conversation rendered with the chat template, and its token ids (tokenizer pool)."""
     try:
-        text = state.tokenizer.apply_chat_template(body.conversation(), body.add_generation_prompt)
+        text = state.tokenizer.apply_chat_template(conversation, add_generation_prompt)
     except ValueError as exc:
-        raise APIError(400, str(exc), "messages") from None
-    ids = state.tokenizer.encode(text, add_special_tokens=False)  # the template wrote its own
+        raise APIError(400, str(exc), param) from None
+    return text, state.tokenizer.encode(text, add_special_tokens=False)  # the template wrote its own
+
+
+def prepare_chat(state: RouterState, body: ChatCompletionRequest, request_id: str) -> _Prepared:
+    text, ids = chat_token_ids(state, body.conversation(), body.add_generation_prompt)
     num_top = (body.top_logprobs or 0) if body.logprobs else None
     prepared = _Prepared("chat", f"chatcmpl-{request_id}", [ids], [text], [], num_top)
     max_tokens = body.max_completion_tokens or body.max_tokens
@@ -96,21 +117,20 @@ def prepare_chat(state: RouterState, body: ChatCompletionRequest, request_id: st
 
 def _finish_prepare(state: RouterState, body, prepared: _Prepared, request_id: str, max_tokens: int | None,
                     logprobs: int | None, prompt_logprobs: int | None) -> None:
-    if body.n > state.config.max_n:
-        raise APIError(400, f"n is {body.n}; this server allows at most {state.config.max_n}", "n")
     limit = state.config.max_model_len
+    param = "messages" if prepared.kind == "chat" else "prompt"
     for ids in prepared.prompt_ids:
         if not ids:
-            raise APIError(400, "the prompt is empty", "prompt")
+            raise APIError(400, "the prompt is empty", param)
         wanted = len(ids) + (max_tokens or 1)
         if wanted > limit or len(ids) >= limit:
             raise APIError(400, f"This model's maximum context length is {limit} tokens. However, you requested "
                                 f"{wanted} tokens ({len(ids)} in the messages, {max_tokens or 1} in the completion). "
-                                "Please reduce the length of the messages or completion.", "messages")
+                                "Please reduce the length of the messages or completion.", param)
     try:
         params = body.sampling_params(state.generation, max_tokens, logprobs, prompt_logprobs)
-    except ValueError as exc:
-        raise APIError(400, str(exc)) from None
+    except InvalidParam as exc:
+        raise APIError(400, str(exc), exc.param) from None
     if body.stream_options is not None:
         prepared.include_usage = body.stream_options.include_usage
         prepared.continuous_usage = body.stream_options.continuous_usage_stats
@@ -119,6 +139,9 @@ def _finish_prepare(state: RouterState, body, prepared: _Prepared, request_id: s
         for sample in range(body.n):
             # as LLM.generate fans out n: each sample of a seeded request gets seed + its index
             seed = params.seed + sample if params.seed is not None and params.n > 1 else params.seed
+            if seed is not None and seed > MAX_SEED:
+                raise APIError(400, f"seed + n - 1 must stay below 2**64 (seed {params.seed}, n {body.n})", "seed")
+            # the dispatcher makes each attempt's worker id unique (this id plus a random suffix)
             message = pb.GenerateRequest(request_id=f"{request_id}-{index}", prompt_token_ids=ids,
                                          params=params_to_proto(params.with_overrides(n=1, seed=seed)),
                                          cache_salt="")

@@ -1,5 +1,7 @@
 """The OpenAI request bodies the gateway accepts, with vLLM's extras, and their translation
-into engine SamplingParams. Validation errors become OpenAI-shaped 400s (router/errors.py).
+into engine SamplingParams. Validation errors become OpenAI-shaped 400s (router/errors.py);
+checks across fields raise APIError, which pydantic passes through, so that each 400 names
+its field.
 
 Fields OpenAI defines but tandem does not implement are declared so that a request using
 them gets a 400 naming the field, never a silent ignore; fields nobody defines are refused
@@ -11,27 +13,35 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from engine.sampling_params import GenerationDefaults, SamplingParams
+from engine.sampling_params import MAX_SEED, GenerationDefaults, SamplingParams
+from router.errors import APIError
+from router.limits import RequestLimits, check_input_chars, check_stop, check_token_ids
 
 MAX_LOGPROBS = 20
+UINT32_MAX = (1 << 32) - 1  # token counts travel as uint32 to the workers
+INT32_MAX = (1 << 31) - 1
+
+
+# OpenAI's and vLLM's fields that tandem does not implement: declared, so that a request using
+# one gets a 400 naming it (never a silent ignore)
+UNSUPPORTED_FIELDS = ("logit_bias", "best_of", "suffix", "tools", "tool_choice", "functions", "function_call",
+                      "response_format", "parallel_tool_calls", "audio", "modalities", "prediction", "service_tier",
+                      "store", "metadata", "reasoning_effort", "web_search_options", "guided_json", "guided_regex",
+                      "guided_choice", "guided_grammar", "structured_outputs")
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
     include_usage: bool = False
     continuous_usage_stats: bool = False
 
 
 class _Common(BaseModel):
-    """Sampling fields shared by completions and chat (OpenAI's, then vLLM's extras)."""
+    """Sampling fields shared by completions and chat (OpenAI's, then vLLM's extras). Numbers
+    are bounded here by what the engine and the worker protocol accept; limits that are
+    server flags (router/limits.py) are checked by ``check_limits``."""
 
-    model_config = ConfigDict(extra="forbid")
-    _unsupported: tuple[str, ...] = ("logit_bias", "best_of", "suffix", "tools", "tool_choice", "functions",
-                                     "function_call", "response_format", "parallel_tool_calls", "audio",
-                                     "modalities", "prediction", "service_tier", "store", "metadata",
-                                     "reasoning_effort", "web_search_options", "guided_json", "guided_regex",
-                                     "guided_choice", "guided_grammar", "structured_outputs")
-
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
     model: str
     n: int = Field(1, ge=1)
     stream: bool = False
@@ -40,15 +50,15 @@ class _Common(BaseModel):
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    seed: int | None = Field(None, ge=0)
+    seed: int | None = Field(None, ge=0, le=MAX_SEED)
     stop: str | list[str] | None = None
     user: str | None = None  # accepted (OpenAI sends it for abuse tracking); not used
     # vLLM's extras
-    top_k: int | None = Field(None, ge=-1)
+    top_k: int | None = Field(None, ge=-1, le=INT32_MAX)
     min_p: float | None = Field(None, ge=0.0, le=1.0)
     repetition_penalty: float | None = Field(None, gt=0.0)
     ignore_eos: bool = False
-    min_tokens: int = Field(0, ge=0)
+    min_tokens: int = Field(0, ge=0, le=UINT32_MAX)
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
@@ -78,12 +88,17 @@ class _Common(BaseModel):
 
     @model_validator(mode="after")
     def _refuse_unsupported(self):
-        for name in self._unsupported:
+        for name in UNSUPPORTED_FIELDS:
             if getattr(self, name) is not None and not (name == "best_of" and self.best_of in (1, self.n)):
-                raise ValueError(f"'{name}' is not supported by this server")
+                raise APIError(400, f"'{name}' is not supported by this server", name)
         if self.stream_options is not None and not self.stream:
-            raise ValueError("'stream_options' is only allowed when 'stream' is true")
+            raise APIError(400, "'stream_options' is only allowed when 'stream' is true", "stream_options")
         return self
+
+    def check_limits(self, limits: RequestLimits, vocab_size: int) -> None:
+        """The checks shared by both endpoints that need the server's limits (APIError)."""
+        check_stop(limits, self.stop)
+        check_token_ids(self.stop_token_ids or [], vocab_size, "stop_token_ids")
 
     def sampling_params(self, defaults: GenerationDefaults, max_tokens: int | None, logprobs: int | None,
                         prompt_logprobs: int | None) -> SamplingParams:
@@ -114,7 +129,7 @@ class _Common(BaseModel):
 
 class CompletionRequest(_Common):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1)  # OpenAI's and vLLM's default for completions
+    max_tokens: int | None = Field(16, ge=1, le=UINT32_MAX)  # OpenAI's and vLLM's default for completions
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
 
@@ -123,18 +138,31 @@ class CompletionRequest(_Common):
         prompt = self.prompt
         if isinstance(prompt, str):
             return [prompt]
-        if not prompt:
-            raise ValueError("'prompt' is empty")
         if all(isinstance(p, int) for p in prompt):
             return [list(prompt)]
         return list(prompt)
 
+    def check_limits(self, limits: RequestLimits, vocab_size: int) -> None:
+        super().check_limits(limits, vocab_size)
+        prompts = self.prompts()
+        if not prompts or any(len(p) == 0 for p in prompts):
+            raise APIError(400, "the prompt is empty", "prompt")
+        check_input_chars(limits, [p for p in prompts if isinstance(p, str)], "prompt")
+        for ids in prompts:
+            if not isinstance(ids, str):
+                check_token_ids(ids, vocab_size, "prompt")
+
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[dict] | None = None
     name: str | None = None
+
+    @model_validator(mode="after")
+    def _check_parts(self):
+        self.text()  # a part that is not text is refused here, by field
+        return self
 
     def text(self) -> str:
         """Text content; a list of parts may hold text parts only."""
@@ -150,8 +178,8 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1)  # deprecated by OpenAI, still sent by many clients
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=1, le=UINT32_MAX)  # deprecated by OpenAI, still sent by many clients
+    max_completion_tokens: int | None = Field(None, ge=1, le=UINT32_MAX)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
@@ -160,17 +188,22 @@ class ChatCompletionRequest(_Common):
     @model_validator(mode="after")
     def _check_chat(self):
         if self.chat_template is not None:
-            raise ValueError("'chat_template' per request is not supported; start the server with --chat-template")
+            raise APIError(400, "'chat_template' per request is not supported; start the server with --chat-template",
+                           "chat_template")
         if self.top_logprobs is not None and not self.logprobs:
-            raise ValueError("'top_logprobs' needs 'logprobs': true")
+            raise APIError(400, "'top_logprobs' needs 'logprobs': true", "top_logprobs")
         return self
+
+    def check_limits(self, limits: RequestLimits, vocab_size: int) -> None:
+        super().check_limits(limits, vocab_size)
+        check_input_chars(limits, [m.text() for m in self.messages], "messages")
 
     def conversation(self) -> list[dict]:
         return [{"role": m.role if m.role != "developer" else "system", "content": m.text()} for m in self.messages]
 
 
 class TokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
@@ -180,11 +213,11 @@ class TokenizeRequest(BaseModel):
     @model_validator(mode="after")
     def _one_of(self):
         if (self.prompt is None) == (self.messages is None):
-            raise ValueError("give exactly one of 'prompt' and 'messages'")
+            raise APIError(400, "give exactly one of 'prompt' and 'messages'", "prompt")
         return self
 
 
 class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
     model: str | None = None
     tokens: list[int]

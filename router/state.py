@@ -3,10 +3,13 @@ pool and dispatcher, admission (in-flight limit, draining) and metrics."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import dataclasses
 import hmac
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -16,6 +19,7 @@ from engine.model_info import ModelInfo
 from proto import worker_pb2 as pb
 from router.dispatch import Dispatcher
 from router.errors import APIError
+from router.limits import RequestLimits
 from router.prefix_index import PrefixIndex
 from router.request_trace import RequestTrace
 from router.workers import WorkerPool
@@ -30,16 +34,17 @@ class RouterConfig:
     served_model_name: str
     max_model_len: int
     api_key: str | None = None  # --api-key: required on every route but health, ready, metrics
-    max_queue: int = 256  # --max-queue: requests in flight before new ones get 429
-    max_n: int = 16  # choices per request
+    max_queue: int = 256  # --max-queue: sequences (prompts x n) in flight before new requests get 429
+    limits: RequestLimits = RequestLimits()  # what one request may ask for (each over-limit field: 400)
     max_body_bytes: int = 16 << 20  # larger bodies get 413
+    tokenizer_threads: int = 2  # --tokenizer-threads: the pool that tokenizes and renders chat templates
     kv_transport: int = pb.KV_TRANSPORT_GRPC  # --kv-transport for disaggregated requests
     drain_timeout_s: float = 30.0  # --drain-timeout
     local_prefill_max_tokens: int = 0  # --local-prefill-max-tokens: shorter prompts skip the prefill worker
 
     def __post_init__(self) -> None:
-        if self.max_queue < 1 or self.max_n < 1 or self.max_model_len < 2:
-            raise ValueError("max_queue and max_n must be >= 1, max_model_len >= 2")
+        if self.max_queue < 1 or self.tokenizer_threads < 1 or self.max_model_len < 2:
+            raise ValueError("max_queue and tokenizer_threads must be >= 1, max_model_len >= 2")
 
 
 class RouterState:
@@ -47,6 +52,10 @@ class RouterState:
                  tracing: Tracing | None = None) -> None:
         self.config = config
         self.tokenizer = info.tokenizer
+        self.vocab_size = info.arch.vocab_size  # token ids a request may name: [0, vocab_size)
+        # tokenizing and chat templates run here, off the event loop, so that a long prompt
+        # cannot hold up other requests' streams; admission bounds what waits for it
+        self.frontend = ThreadPoolExecutor(config.tokenizer_threads, thread_name_prefix="tokenize")
         self.generation = info.generation
         self.pool = pool
         self.index = index
@@ -71,25 +80,17 @@ class RouterState:
         sent = (authorization or "").removeprefix("Bearer ").strip()
         return hmac.compare_digest(sent.encode(), self.config.api_key.encode())
 
-    def admit(self, prepare: Callable[[], T], request_id: str) -> T:
-        """Start a generation request: refuse it (APIError) while draining, with no healthy
-        worker or past --max-queue; else count it in flight and return ``prepare()`` (its
-        tokenizing and validation are the request's ``tokenize`` stage). A prepare that raises
-        leaves nothing counted; a prepared request ends with ``finish_request``."""
-        if self.draining:
-            raise APIError(503, "the server is shutting down", headers={"Retry-After": "5"})
-        if not self.pool.is_ready:
-            raise APIError(503, "no healthy worker is available; try again shortly", headers={"Retry-After": "1"})
-        if self.num_in_flight >= self.config.max_queue:
-            raise APIError(429, f"too many requests in flight (--max-queue {self.config.max_queue}); retry later",
-                           headers={"Retry-After": "1"})
-        self._set_in_flight(self.num_in_flight + 1)
-        trace = RequestTrace(request_id, self.tracing)
-        try:
-            prepared = prepare()
-        except BaseException:
-            self._set_in_flight(self.num_in_flight - 1)
-            raise
+    async def admit(self, prepare: Callable[[], T], request_id: str, num_sequences: int) -> T:
+        """Start a generation request of ``num_sequences`` sequences (prompts x n): refuse it
+        (APIError) while draining, with no healthy worker or past --max-queue sequences in
+        flight; else count them in flight and return ``prepare()``, run in the tokenizer pool
+        (its tokenizing and validation are the request's ``tokenize`` stage). A prepare that
+        raises leaves nothing counted; a prepared request ends with ``finish_request``."""
+        async with self.admitted(num_sequences):
+            trace = RequestTrace(request_id, self.tracing)
+            prepared = await self.run_frontend(prepare)
+            assert len(prepared.sequences) == num_sequences, "admission counted other sequences than were made"
+            self._set_in_flight(self.num_in_flight + num_sequences)  # held on: finish_request releases
         operation = "chat" if prepared.kind == "chat" else "text_completion"
         trace.begin(operation, self.config.served_model_name, prepared.sequences[0].request.params,
                     len(prepared.sequences))
@@ -97,12 +98,32 @@ class RouterState:
         prepared.sequences = [dataclasses.replace(s, trace=t) for s, t in zip(prepared.sequences, trace.sequences)]
         return prepared
 
+    @contextlib.asynccontextmanager
+    async def admitted(self, num_sequences: int = 1):
+        """Hold ``num_sequences`` admission slots for the block (tokenize endpoints hold one)."""
+        if self.draining:
+            raise APIError(503, "the server is shutting down", headers={"Retry-After": "5"})
+        if not self.pool.is_ready:
+            raise APIError(503, "no healthy worker is available; try again shortly", headers={"Retry-After": "1"})
+        if self.num_in_flight + num_sequences > self.config.max_queue:
+            raise APIError(429, f"too many sequences in flight (--max-queue {self.config.max_queue}); retry later",
+                           headers={"Retry-After": "1"})
+        self._set_in_flight(self.num_in_flight + num_sequences)
+        try:
+            yield
+        finally:
+            self._set_in_flight(self.num_in_flight - num_sequences)
+
+    async def run_frontend(self, work: Callable[[], T]) -> T:
+        """``work()`` in the tokenizer pool (tokenizing, chat templates, detokenizing)."""
+        return await asyncio.get_running_loop().run_in_executor(self.frontend, work)
+
     def _set_in_flight(self, count: int) -> None:
         self.num_in_flight = count
         self.metrics.running.set(count)
 
     def finish_request(self, prepared, choices) -> None:
-        self._set_in_flight(self.num_in_flight - 1)
+        self._set_in_flight(self.num_in_flight - len(prepared.sequences))
         choices = sorted(choices, key=lambda c: c.index)
         metrics = self.metrics
         metrics.prompt_tokens.inc(sum(len(ids) for ids in prepared.prompt_ids))

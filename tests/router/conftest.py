@@ -6,6 +6,7 @@ import os
 import re
 import subprocess
 from dataclasses import dataclass
+from pathlib import Path
 
 import httpx
 import psutil
@@ -15,6 +16,15 @@ from bench.launch import LaunchedServe
 from tests.otlp import HttpOTLPReceiver
 
 API_KEY = "test-api-key"
+# A request seeded with this fails inside the engine of the servers below (tests/faults): the
+# one fault no validation can catch, which must end that request only, with a 500.
+FAULT_SEED = 4_242_424_242
+FAULTS_DIR = Path(__file__).resolve().parent.parent / "faults"
+
+
+def fault_env() -> dict:
+    path = os.pathsep.join([str(FAULTS_DIR)] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else []))
+    return {"PYTHONPATH": path, "TANDEM_TEST_FAULT_SEED": str(FAULT_SEED)}
 
 
 @dataclass
@@ -88,7 +98,8 @@ def otlp_receiver():
 def disagg_server(smollm_dir, otlp_receiver):
     """Every prompt through a prefill worker (the path under test), however short; traced."""
     server = start_server(smollm_dir, "disagg", "--local-prefill-max-tokens", "0",
-                          "--otlp-endpoint", otlp_receiver.url, env={"OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf"})
+                          "--otlp-endpoint", otlp_receiver.url,
+                          env={"OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf", **fault_env()})
     yield server
     server.stop()
 
@@ -96,6 +107,6 @@ def disagg_server(smollm_dir, otlp_receiver):
 @pytest.fixture(scope="session")
 def colocated_server(smollm_dir):
     """Also the server with an API key and a small admission limit."""
-    server = start_server(smollm_dir, "colocated", "--max-queue", "3", api_key=API_KEY)
+    server = start_server(smollm_dir, "colocated", "--max-queue", "3", api_key=API_KEY, env=fault_env())
     yield server
     server.stop()
