@@ -54,7 +54,7 @@ class AsyncTandemClient:
                 return
             except grpc.aio.AioRpcError as error:
                 if not should_retry(error, received_any, attempt, self.max_retries):
-                    raise TandemError(error.code(), error.details()) from None
+                    raise TandemError.from_rpc(error) from None
             finally:
                 call.cancel()
             await asyncio.sleep(backoff_s(attempt))
@@ -87,12 +87,12 @@ class AsyncTandemClient:
             reply = await self._stub.Tokenize(tokenize_request(self.model, text, messages), metadata=self._metadata,
                                               timeout=self.timeout_s)
         except grpc.aio.AioRpcError as error:
-            raise TandemError(error.code(), error.details()) from None
+            raise TandemError.from_rpc(error) from None
         return list(reply.token_ids)
 
     async def models(self) -> list[ModelCard]:
         try:
             reply = await self._stub.ListModels(pb.ListModelsRequest(), metadata=self._metadata, timeout=self.timeout_s)
         except grpc.aio.AioRpcError as error:
-            raise TandemError(error.code(), error.details()) from None
+            raise TandemError.from_rpc(error) from None
         return [ModelCard(m.id, m.max_model_len, m.owned_by, m.created) for m in reply.models]

@@ -57,7 +57,7 @@ class TandemClient:
                 return
             except grpc.RpcError as error:
                 if not should_retry(error, received_any, attempt, self.max_retries):
-                    raise TandemError(error.code(), error.details()) from None
+                    raise TandemError.from_rpc(error) from None
             finally:
                 call.cancel()  # a stream the caller stopped reading is cancelled on the server
             time.sleep(backoff_s(attempt))
@@ -92,12 +92,12 @@ class TandemClient:
             reply = self._stub.Tokenize(tokenize_request(self.model, text, messages), metadata=self._metadata,
                                         timeout=self.timeout_s)
         except grpc.RpcError as error:
-            raise TandemError(error.code(), error.details()) from None
+            raise TandemError.from_rpc(error) from None
         return list(reply.token_ids)
 
     def models(self) -> list[ModelCard]:
         try:
             reply = self._stub.ListModels(pb.ListModelsRequest(), metadata=self._metadata, timeout=self.timeout_s)
         except grpc.RpcError as error:
-            raise TandemError(error.code(), error.details()) from None
+            raise TandemError.from_rpc(error) from None
         return [ModelCard(m.id, m.max_model_len, m.owned_by, m.created) for m in reply.models]

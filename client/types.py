@@ -10,12 +10,19 @@ from proto import generation_pb2 as pb
 
 
 class TandemError(Exception):
-    """A call failed; ``code`` is the gRPC status (INVALID_ARGUMENT, UNAVAILABLE, ...)."""
+    """A call failed; ``code`` is the gRPC status (INVALID_ARGUMENT, UNAVAILABLE, ...) and
+    ``param`` the request field at fault, when the server named one."""
 
-    def __init__(self, code: grpc.StatusCode, details: str) -> None:
-        super().__init__(f"{code.name}: {details}")
+    def __init__(self, code: grpc.StatusCode, details: str, param: str | None = None) -> None:
+        super().__init__(f"{code.name}: {details}" + (f" (param: {param})" if param else ""))
         self.code = code
         self.details = details
+        self.param = param
+
+    @classmethod
+    def from_rpc(cls, error: grpc.RpcError) -> "TandemError":
+        trailer = dict(error.trailing_metadata() or ())
+        return cls(error.code(), error.details(), trailer.get("tandem-error-param"))
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,6 +15,10 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+# prompt positions scored per logits matrix for prompt logprobs: bounds that matrix to
+# [PROMPT_LOGPROBS_ROWS, vocab] however long the chunk (the GPU's activation headroom counts it)
+PROMPT_LOGPROBS_ROWS = 256
+
 @dataclass(frozen=True, slots=True)
 class RopeScaling:
     """llama3-style frequency scaling (HF ``rope_type: llama3``)."""

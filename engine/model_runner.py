@@ -6,6 +6,7 @@ from collections.abc import Callable
 
 import torch
 
+from engine import config
 from engine.attention.backend import AttentionBackend, BatchLayout
 from engine.kv_cache.kv_cache import KVCache, slot_indices
 from engine.models.llama import CausalLM
@@ -17,8 +18,6 @@ from engine.scheduler_types import (
     SchedulerOutput,
     TokenLogprobs,
 )
-
-PROMPT_LOGPROBS_ROWS = 256  # prompt positions scored per logits matrix (bounds its memory)
 
 
 class ModelRunner:
@@ -133,14 +132,15 @@ class ModelRunner:
         return RunnerOutput(sampled=sampled, prompt_logprobs=prompt_logprobs, failed=failed)
 
     def _prompt_logprobs(self, seq: ScheduledSeq, hidden: torch.Tensor) -> list[TokenLogprobs]:
-        """Scores ``PROMPT_LOGPROBS_ROWS`` positions at a time, so the logits held at once stay
+        """Scores ``config.PROMPT_LOGPROBS_ROWS`` positions at a time, so the logits held at once stay
         [PROMPT_LOGPROBS_ROWS, vocab] however long the chunk (a whole --max-num-batched-tokens
         chunk at once would be chunk x vocab floats: 1.6 GB for 8192 x 49152)."""
         request = seq.prompt_logprobs
         targets = torch.tensor(request.target_token_ids, dtype=torch.int64)
         results: list[TokenLogprobs] = []
-        for first in range(0, len(targets), PROMPT_LOGPROBS_ROWS):
-            rows = slice(first, first + PROMPT_LOGPROBS_ROWS)
+        step = config.PROMPT_LOGPROBS_ROWS
+        for first in range(0, len(targets), step):
+            rows = slice(first, first + step)
             logprobs = self.model.compute_logits(hidden[rows]).log_softmax(dim=-1).cpu()  # [rows, vocab]
             results += gather_logprobs(logprobs, targets[rows], [request.num_top] * len(targets[rows]))
         return results

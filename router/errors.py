@@ -57,7 +57,7 @@ def validation_message(errors: list[dict]) -> tuple[str, str | None]:
         message = f"unknown field '{location[-1]}'" if location else "unknown field"
     elif location:
         message = f"{'.'.join(location)}: {message}"
-    return message, ".".join(location) or None
+    return message, ".".join(location) if location else None  # an unknown field named "" is param ""
 
 
 def install(app: FastAPI) -> None:

@@ -11,7 +11,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from pydantic import ValidationError
 
-from kv_transfer.worker_rpc import CHANNEL_OPTIONS, ERROR_PARAM_KEY
+from kv_transfer.worker_rpc import ERROR_PARAM_KEY
 from proto import generation_pb2 as pb
 from proto import generation_pb2_grpc as pb_grpc
 from router.dispatch import SequenceChunk
@@ -26,7 +26,7 @@ _CODES = {400: grpc.StatusCode.INVALID_ARGUMENT, 401: grpc.StatusCode.UNAUTHENTI
           404: grpc.StatusCode.NOT_FOUND, 413: grpc.StatusCode.INVALID_ARGUMENT,
           429: grpc.StatusCode.RESOURCE_EXHAUSTED, 503: grpc.StatusCode.UNAVAILABLE,
           504: grpc.StatusCode.DEADLINE_EXCEEDED}
-_SERVER_OPTIONS = CHANNEL_OPTIONS + [
+_SERVER_OPTIONS = [
     ("grpc.keepalive_time_ms", 30_000),  # ping idle clients so dead connections are noticed
     ("grpc.keepalive_timeout_ms", 10_000),
     ("grpc.http2.min_ping_interval_without_data_ms", 10_000),  # accept client keepalives this often
@@ -159,7 +159,9 @@ class PublicGrpcServer:
 
     def __init__(self, state: RouterState, host: str, port: int, tls: tuple[bytes, bytes] | None = None) -> None:
         self.state = state
-        self.server = grpc.aio.server(options=_SERVER_OPTIONS)
+        # a request message may be as large as an HTTP body (16 MiB), no larger
+        limit = [("grpc.max_receive_message_length", state.config.max_body_bytes)]
+        self.server = grpc.aio.server(options=_SERVER_OPTIONS + limit)
         pb_grpc.add_GenerationServicer_to_server(GenerationServicer(state), self.server)
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)

@@ -6,7 +6,7 @@ from collections.abc import Callable
 
 import torch
 
-from engine.config import CacheConfig, ModelArchConfig
+from engine.config import PROMPT_LOGPROBS_ROWS, CacheConfig, ModelArchConfig
 
 
 def bytes_per_block(arch: ModelArchConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -35,11 +35,12 @@ def activation_headroom(arch: ModelArchConfig, max_num_batched_tokens: int, max_
     """What one step may hold beyond the weights and the KV cache, generously: per batched token
     the residual, the normed input, Q/K/V, the attention output and the MLP's gate, up and
     product, twice over for temporaries; plus float32 logits and their softmax for every
-    sequence sampled."""
+    sequence sampled, or for one slice of prompt positions scored for prompt logprobs."""
     element = torch.tensor([], dtype=dtype).element_size()
     qkv = (arch.num_attention_heads + 2 * arch.num_key_value_heads) * arch.head_dim
     per_token = 2 * element * (3 * arch.hidden_size + qkv + 3 * arch.intermediate_size)
-    return max_num_batched_tokens * per_token + 2 * 4 * max_num_seqs * arch.vocab_size
+    logit_rows = max(max_num_seqs, PROMPT_LOGPROBS_ROWS)
+    return max_num_batched_tokens * per_token + 2 * 4 * logit_rows * arch.vocab_size
 
 
 def gpu_kv_budget(total_bytes: int, free_bytes: int, utilization: float, headroom_bytes: int) -> int:

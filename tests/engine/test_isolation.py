@@ -127,7 +127,7 @@ def test_prompt_logprobs_in_slices_equal_one_matrix(tiny, monkeypatch):
     prompt = list(range(100, 180))
     params = SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=3)
     whole = tiny.generate({"prompt_token_ids": prompt}, params)[0].prompt_logprobs
-    monkeypatch.setattr("engine.model_runner.PROMPT_LOGPROBS_ROWS", 7)
+    monkeypatch.setattr("engine.config.PROMPT_LOGPROBS_ROWS", 7)
     sliced = tiny.generate({"prompt_token_ids": prompt}, params)[0].prompt_logprobs
     assert len(sliced) == len(prompt) and sliced[0] is None
     for a, b in zip(whole[1:], sliced[1:]):

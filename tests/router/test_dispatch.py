@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 
+import grpc
 import pytest
 
 from bench.launch import free_port
@@ -124,3 +125,36 @@ def test_short_prompts_skip_the_prefill_worker(decode_worker, llm):
         return tokens
 
     assert len(asyncio.run(collect())) == 2
+
+
+def test_the_decode_worker_refuses_what_it_cannot_take_and_names_the_field(decode_worker):
+    """Behind the router's checks, the worker's own: a 70 KB id (it would not fit a KV frame's
+    header) and a stop id past the vocabulary are INVALID_ARGUMENT with the field in the
+    trailing metadata, and nothing is held."""
+    from tests.workers import METADATA, decode_stub, generate_request
+
+    stub = decode_stub(decode_worker.address)
+    cases = [(generate_request("r" * 70_000, [1, 2, 3], SamplingParams(max_tokens=2)), "request_id"),
+             (generate_request("stop-id", [1, 2, 3], SamplingParams(max_tokens=4, min_tokens=2,
+                                                                   stop_token_ids=[49152])), "stop_token_ids")]
+    for request, param in cases:
+        with pytest.raises(grpc.RpcError) as info:
+            list(stub.Generate(request, metadata=METADATA, timeout=30))
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value
+        assert dict(info.value.trailing_metadata())["tandem-error-param"] == param
+    stats = decode_worker.stats()
+    assert stats.num_free_kv_blocks == stats.num_kv_blocks and stats.num_waiting == stats.num_running == 0
+
+
+def test_a_request_s_own_error_is_not_retried():
+    """A worker that says the error was the request's own (tandem-error-scope: request) is not
+    asked again, and neither is another: the client gets a 500. Any other INTERNAL is retried."""
+    from router.dispatch import _is_own_fault
+
+    class Failed(grpc.aio.AioRpcError):
+        def __init__(self, trailer):
+            super().__init__(grpc.StatusCode.INTERNAL, grpc.aio.Metadata(), grpc.aio.Metadata(*trailer), "boom")
+
+    assert _is_own_fault(Failed([("tandem-error-scope", "request")]))
+    assert not _is_own_fault(Failed([("tandem-error-scope", "step")]))
+    assert not _is_own_fault(Failed([]))

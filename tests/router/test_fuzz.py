@@ -74,7 +74,7 @@ def _check_response(path: str, body: dict, response: httpx.Response, tally: Tall
         assert isinstance(error, dict) and set(error) == {"message", "type", "param", "code"}, response.text[:600]
         assert error["code"] == response.status_code and error["message"] and error["type"], error
         if response.status_code == 400 and isinstance(body, dict):  # a field is at fault: it is named
-            assert error["param"], f"{path} {json.dumps(body)[:400]} -> 400 without param: {error}"
+            assert error["param"] is not None, f"{path} {json.dumps(body)[:400]} -> 400 without param: {error}"
         return
     if path not in GENERATION:
         return

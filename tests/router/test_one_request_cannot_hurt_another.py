@@ -15,6 +15,7 @@ import httpx
 import pytest
 
 from client import SamplingParams as ClientParams
+from client import TandemClient, TandemError
 from engine import SamplingParams
 from proto import generation_pb2 as gen_pb
 from proto import generation_pb2_grpc as gen_grpc
@@ -122,6 +123,10 @@ def _check_grpc_poisons(server) -> None:
             assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (what, info.value)
             trailer = dict(info.value.trailing_metadata() or ())
             assert trailer.get("tandem-error-param") == param, (what, trailer, info.value.details())
+    with TandemClient(server.grpc_target, api_key=server.api_key) as tandem:  # the SDK says which field
+        with pytest.raises(TandemError) as info:
+            tandem.complete("hi", ClientParams(min_tokens=2, max_tokens=8, stop_token_ids=(VOCAB,)))
+        assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT and info.value.param == "stop_token_ids"
 
 
 @pytest.mark.parametrize("mode", ["disagg", "colocated"])
