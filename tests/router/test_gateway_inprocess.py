@@ -27,6 +27,7 @@ class Gateway:
         self.pool = WorkerPool(decode_addresses, [], SECRET, RoundRobinPolicy(), poll_interval_s=0.2)
         self.pool.failures_to_drop = 1
         state = RouterState(RouterConfig("tiny", 512), load_model_info(str(model_dir)), self.pool, tracing=tracing)
+        self.state = state
         self.port = free_port()
         self.server = uvicorn.Server(uvicorn.Config(build_app(state), host="127.0.0.1", port=self.port,
                                                     log_level="warning"))
@@ -115,3 +116,38 @@ def test_colocated_trace_with_content_over_grpc_otlp(tiny_llama_dir):
     output = json.loads(root.attributes["gen_ai.output.messages"])[0]
     assert output["parts"][0]["content"] == answer["choices"][0]["text"] and output["finish_reason"] == "length"
     assert root.attributes["tandem.kv_bytes"] == 0 and root.attributes["tandem.prefill_workers"] == []
+
+
+def test_tokenizing_runs_in_its_pool_and_never_blocks_the_event_loop(tiny_llama_dir):
+    """A prompt whose tokenizing hangs (held here until released) holds neither /health nor
+    another request's tokenizing: both answer while it is stuck, from the tokenizer pool."""
+    worker = start_decode_worker(tiny_llama_dir)
+    entered, release, threads = threading.Event(), threading.Event(), []
+    try:
+        with Gateway(tiny_llama_dir, [worker.address]) as gateway:
+            wait_until(lambda: httpx.get(f"{gateway.url}/ready", timeout=5).status_code == 200, what="ready")
+            tokenizer = gateway.state.tokenizer
+            real_encode = tokenizer.encode
+
+            def encode(text, add_special_tokens=True):
+                threads.append(threading.current_thread().name)
+                if text == "stuck":
+                    entered.set()
+                    assert release.wait(60)
+                return real_encode(text, add_special_tokens)
+
+            tokenizer.encode = encode
+            body = {"model": "tiny", "prompt": "stuck", "max_tokens": 2}
+            stuck = threading.Thread(target=lambda: httpx.post(f"{gateway.url}/v1/completions", json=body, timeout=90))
+            stuck.start()
+            assert entered.wait(30)
+            assert httpx.get(f"{gateway.url}/health", timeout=10).status_code == 200
+            other = httpx.post(f"{gateway.url}/tokenize", json={"prompt": "free"}, timeout=10)
+            assert other.status_code == 200 and other.json()["count"] > 0
+            assert not release.is_set() and stuck.is_alive()  # both answered while it was stuck
+            release.set()
+            stuck.join(60)
+            assert threads and all(name.startswith("tokenize") for name in threads), threads
+    finally:
+        release.set()
+        worker.stop()
