@@ -49,11 +49,15 @@ def test_the_kv_budget_precedence_and_the_activation_headroom(smollm_dir):
     assert num_blocks_for(arch, CacheConfig(kv_cache_memory_bytes=block * 5), torch.bfloat16, unmeasured) == 5
     assert num_blocks_for(arch, CacheConfig(), torch.bfloat16, lambda: block * 9 + 1) == 9  # the GPU's budget
     assert num_blocks_for(arch, CacheConfig(), torch.bfloat16) == GIB // block  # 1 GiB on the CPU
-    one = activation_headroom(arch, 1, 0, torch.bfloat16)
+    logits = activation_headroom(arch, 0, 0, torch.bfloat16)
+    # float32 logits and softmax for 256 rows: a slice of prompt positions scored for prompt logprobs
+    assert logits == 256 * 2 * 4 * arch.vocab_size
+    one = activation_headroom(arch, 1, 0, torch.bfloat16) - logits
     # per token: residual, normed input and attention output (3 x 576), Q/K/V (9 + 2 x 3 heads of 64),
     # the MLP's gate, up and product (3 x 1536), in bf16, twice over
     assert one == 2 * 2 * (3 * 576 + 15 * 64 + 3 * 1536)
-    assert activation_headroom(arch, 8192, 64, torch.bfloat16) == 8192 * one + 64 * 2 * 4 * arch.vocab_size
+    assert activation_headroom(arch, 8192, 64, torch.bfloat16) == 8192 * one + 256 * 2 * 4 * arch.vocab_size
+    assert activation_headroom(arch, 8192, 512, torch.bfloat16) == 8192 * one + 512 * 2 * 4 * arch.vocab_size
     with pytest.raises(ValueError, match="gpu_memory_utilization"):
         CacheConfig(gpu_memory_utilization=1.5)
 
