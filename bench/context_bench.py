@@ -1,0 +1,159 @@
+"""`tandem bench engine --context-lens`: milliseconds per decode step at each context length
+and batch size, for tandem's engine and for vLLM's offline engine (from `make peers`), on the
+same checkpoint, dtype, thread count and prompts, measured the same way: every sequence gets
+its first token, then the median of the decode steps that follow (contexts grow by
+``new_tokens`` during them). Prefix caching is off on both sides."""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from bench.machine import describe
+
+
+@dataclass(frozen=True, slots=True)
+class ContextBenchConfig:
+    model: str
+    dtype: str  # "bfloat16" or "float32": the same on both sides
+    threads: int
+    context_lens: tuple[int, ...]
+    batch_sizes: tuple[int, ...]
+    new_tokens: int = 32  # decode steps timed per case
+    max_case_tokens: int = 65536  # context x batch above this is skipped (prefill time, KV memory)
+    vllm_python: str | None = None  # the peers venv's python; None: tandem only
+    seed: int = 0
+
+
+@dataclass(slots=True)
+class ContextRow:
+    context: int
+    batch: int
+    tandem_ms: float
+    vllm_ms: float | None = None
+
+    @property
+    def ratio(self) -> float | None:  # tandem / vLLM: below 1 is faster
+        return self.tandem_ms / self.vllm_ms if self.vllm_ms else None
+
+
+@dataclass(slots=True)
+class ContextBenchResult:
+    config: ContextBenchConfig
+    machine: str
+    rows: list[ContextRow] = field(default_factory=list)
+    vllm_command: list[str] = field(default_factory=list)
+
+
+def make_cases(cfg: ContextBenchConfig, vocab: int) -> list[dict]:
+    generator = torch.Generator().manual_seed(cfg.seed)
+    cases = []
+    for context in cfg.context_lens:
+        for batch in cfg.batch_sizes:
+            if context * batch > cfg.max_case_tokens:
+                continue
+            prompts = torch.randint(100, vocab - 100, (batch, context), generator=generator).tolist()
+            cases.append({"context": context, "batch": batch, "prompts": prompts})
+    return cases
+
+
+def _engine_limits(cfg: ContextBenchConfig) -> dict:
+    return {"max_model_len": max(cfg.context_lens) + cfg.new_tokens + 8, "max_batch": max(cfg.batch_sizes),
+            "max_num_batched_tokens": 8192}
+
+
+def tandem_step_ms(cfg: ContextBenchConfig, cases: list[dict]) -> list[float]:
+    from engine import LLM, SamplingParams
+
+    limits = _engine_limits(cfg)
+    blocks = (cfg.max_case_tokens + max(cfg.batch_sizes) * (cfg.new_tokens + 16)) // 16 + 64
+    llm = LLM(model=cfg.model, dtype=cfg.dtype, num_threads=cfg.threads, max_model_len=limits["max_model_len"],
+              max_num_seqs=limits["max_batch"], max_num_batched_tokens=limits["max_num_batched_tokens"],
+              num_kv_blocks=blocks, enable_prefix_caching=False)
+    core = llm.engine_core
+    ids = iter(range(1 << 30))
+
+    def run(prompts: list[list[int]], new_tokens: int) -> float:
+        params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+        for prompt in prompts:
+            core.add_request(core.make_request(f"ctx-{next(ids)}", prompt, params))
+        started: set[str] = set()
+        steps = []
+        while core.has_unfinished_requests():
+            began = time.perf_counter()
+            outputs = core.step()
+            elapsed = time.perf_counter() - began
+            decoding = len(started) == len(prompts)
+            started.update(o.request_id for o in outputs if o.new_token_ids)
+            if decoding and outputs:
+                steps.append(elapsed)
+        return statistics.median(steps) * 1000
+
+    run([case["prompts"][0][:64] for case in cases[:1]], 4)  # warm-up
+    return [run(case["prompts"], cfg.new_tokens) for case in cases]
+
+
+def vllm_step_ms(cfg: ContextBenchConfig, cases: list[dict], hf_dir: str) -> tuple[list[float], list[str], dict]:
+    """vLLM in its own venv (bench/peers/vllm_decode.py), pinned to the same number of cores."""
+    config = {"model": hf_dir, "dtype": cfg.dtype, "new_tokens": cfg.new_tokens, **_engine_limits(cfg),
+              "warm_up": [cases[0]["prompts"][0][:64]], "cases": cases}
+    kv_gib = max(1, -(-(cfg.max_case_tokens + max(cfg.batch_sizes) * 64) * _kv_bytes_per_token(hf_dir) // (1 << 30)))
+    env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": f"0-{cfg.threads - 1}", "VLLM_CPU_KVCACHE_SPACE": str(kv_gib + 1)}
+    script = os.path.join(os.path.dirname(__file__), "peers", "vllm_decode.py")
+    with tempfile.NamedTemporaryFile("w", suffix=".json") as handle:
+        json.dump(config, handle)
+        handle.flush()
+        command = [cfg.vllm_python, script, handle.name]
+        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=3600)
+    if done.returncode != 0:
+        raise RuntimeError(f"vLLM failed ({done.returncode}): {done.stderr[-3000:]}")
+    lines = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    shown_env = {k: env[k] for k in ("VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_KVCACHE_SPACE")}
+    return [line["step_ms"] for line in lines], command[:2] + ["CONFIG.json"], shown_env
+
+
+def _kv_bytes_per_token(hf_dir: str) -> int:
+    with open(os.path.join(hf_dir, "config.json")) as handle:
+        arch = json.load(handle)
+    head_dim = arch.get("head_dim") or arch["hidden_size"] // arch["num_attention_heads"]
+    return 2 * arch["num_hidden_layers"] * arch["num_key_value_heads"] * head_dim * 2
+
+
+def run_context_bench(cfg: ContextBenchConfig, log=print) -> ContextBenchResult:
+    from engine.models.fetch import resolve_model
+
+    hf_dir = str(resolve_model(cfg.model))
+    with open(os.path.join(hf_dir, "config.json")) as handle:
+        vocab = json.load(handle)["vocab_size"]
+    cases = make_cases(cfg, vocab)
+    result = ContextBenchResult(cfg, describe())
+    log(f"tandem: {len(cases)} cases, {cfg.dtype}, {cfg.threads} threads")
+    tandem = tandem_step_ms(cfg, cases)
+    vllm: list[float | None] = [None] * len(cases)
+    if cfg.vllm_python:
+        log(f"vLLM ({cfg.vllm_python}): the same cases")
+        vllm, result.vllm_command, env = vllm_step_ms(cfg, cases, hf_dir)
+        result.vllm_command = [f"{k}={v}" for k, v in env.items()] + result.vllm_command
+    result.rows = [ContextRow(c["context"], c["batch"], t, v) for c, t, v in zip(cases, tandem, vllm)]
+    return result
+
+
+def render_context(result: ContextBenchResult) -> str:
+    cfg = result.config
+    lines = [f"decode step at context length, {cfg.dtype}, {cfg.threads} threads each, "
+             f"median of {cfg.new_tokens} steps; {result.machine}",
+             "| context | batch | tandem ms/step | vLLM ms/step | tandem / vLLM |", "|---|---|---|---|---|"]
+    for row in result.rows:
+        vllm = f"{row.vllm_ms:.1f}" if row.vllm_ms else "-"
+        ratio = f"{row.ratio:.2f}" if row.ratio else "-"
+        lines.append(f"| {row.context} | {row.batch} | {row.tandem_ms:.1f} | {vllm} | {ratio} |")
+    if result.vllm_command:
+        lines.append("vLLM: " + " ".join(result.vllm_command))
+    return "\n".join(lines)
