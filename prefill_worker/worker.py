@@ -27,9 +27,10 @@ from kv_transfer.prefix_events import (
 from kv_transfer.torch_dist import TorchDistKVSink
 from kv_transfer.worker_rpc import (
     CHANNEL_OPTIONS,
-    MAX_REQUEST_ID_LEN,
     ServerConfig,
     WorkerServer,
+    abort_invalid,
+    check_request_id,
     params_from_proto,
     worker_stats,
 )
@@ -106,8 +107,10 @@ class PrefillWorker(pb_grpc.PrefillWorkerServicer):
         received = time.monotonic()
         if not request.params.HasField("seed"):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "Prefill needs the decode worker's seed")
-        if len(request.request_id) > MAX_REQUEST_ID_LEN:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request_id longer than {MAX_REQUEST_ID_LEN}")
+        try:
+            check_request_id(request.request_id)
+        except ValueError as exc:
+            await abort_invalid(context, exc)
         if request.request_id in self._held:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request '{request.request_id}' is already here")
         deadline = time.monotonic() + (request.deadline_ms / 1000 or self.config.default_deadline_s)

@@ -86,11 +86,14 @@ class RouterState:
         flight; else count them in flight and return ``prepare()``, run in the tokenizer pool
         (its tokenizing and validation are the request's ``tokenize`` stage). A prepare that
         raises leaves nothing counted; a prepared request ends with ``finish_request``."""
-        async with self.admitted(num_sequences):
+        self._reserve(num_sequences)  # held until finish_request
+        try:
             trace = RequestTrace(request_id, self.tracing)
             prepared = await self.run_frontend(prepare)
             assert len(prepared.sequences) == num_sequences, "admission counted other sequences than were made"
-            self._set_in_flight(self.num_in_flight + num_sequences)  # held on: finish_request releases
+        except BaseException:
+            self._set_in_flight(self.num_in_flight - num_sequences)
+            raise
         operation = "chat" if prepared.kind == "chat" else "text_completion"
         trace.begin(operation, self.config.served_model_name, prepared.sequences[0].request.params,
                     len(prepared.sequences))
@@ -101,6 +104,15 @@ class RouterState:
     @contextlib.asynccontextmanager
     async def admitted(self, num_sequences: int = 1):
         """Hold ``num_sequences`` admission slots for the block (tokenize endpoints hold one)."""
+        self._reserve(num_sequences)
+        try:
+            yield
+        finally:
+            self._set_in_flight(self.num_in_flight - num_sequences)
+
+    def _reserve(self, num_sequences: int) -> None:
+        """Count ``num_sequences`` in flight, or refuse (APIError) while draining, with no
+        healthy worker or past --max-queue."""
         if self.draining:
             raise APIError(503, "the server is shutting down", headers={"Retry-After": "5"})
         if not self.pool.is_ready:
@@ -109,10 +121,6 @@ class RouterState:
             raise APIError(429, f"too many sequences in flight (--max-queue {self.config.max_queue}); retry later",
                            headers={"Retry-After": "1"})
         self._set_in_flight(self.num_in_flight + num_sequences)
-        try:
-            yield
-        finally:
-            self._set_in_flight(self.num_in_flight - num_sequences)
 
     async def run_frontend(self, work: Callable[[], T]) -> T:
         """``work()`` in the tokenizer pool (tokenizing, chat templates, detokenizing)."""

@@ -9,6 +9,8 @@ import sys
 import time
 
 
+# The timing loop mirrors bench/context_bench.py's on purpose: this file runs where tandem is
+# not installed, so it cannot import it, and both sides must measure alike.
 def decode_step_ms(engine, sampling_params_type, prompts: list[list[int]], new_tokens: int, tag: str) -> float:
     params = sampling_params_type(max_tokens=new_tokens, ignore_eos=True, temperature=0.0)
     for index, prompt in enumerate(prompts):
