@@ -20,6 +20,7 @@ from dataclasses import replace
 
 from cluster.autoscale import PoolSize, pool_size
 from engine.remote_kv import KVFailurePolicy
+from engine.step_budget import DEFAULT_MAX_STEP_MS
 
 _TRANSPORTS = {"grpc": 0, "torch": 1}  # proto KVTransport values
 
@@ -109,7 +110,12 @@ def add_serve_parser(commands) -> None:
     p.add_argument("--device", choices=["cpu", "cuda", "auto"], default=_env("DEVICE", "auto"),
                    help="where each worker's model and KV cache live (auto: CUDA when the worker sees a GPU)")
     p.add_argument("--max-num-batched-tokens", type=int, default=_env("MAX_NUM_BATCHED_TOKENS", 8192, int),
-                   help="tokens per forward pass: the chunked-prefill budget")
+                   help="tokens per forward pass: the hard cap on a prefill chunk")
+    p.add_argument("--max-step-ms", type=_step_ms, default=_env("MAX_STEP_MS", DEFAULT_MAX_STEP_MS, _step_ms),
+                   help="where prefill shares a step with decoding streams (colocated workers, a decode worker's "
+                        "local prefill), the prompt chunk is sized from the measured prefill rate so that the "
+                        f"step stays under this many ms ('off': --max-num-batched-tokens only; default "
+                        f"{DEFAULT_MAX_STEP_MS:g}, measured: see README)")
     p.add_argument("--max-queue", type=int, default=_env("MAX_QUEUE", 256, int),
                    help="sequences (prompts x n) in flight before new requests get 429; tokenize calls count one")
     p.add_argument("--max-n", type=int, default=_env("MAX_N", 16, int), help="choices (n) per prompt")
@@ -144,6 +150,15 @@ def add_serve_parser(commands) -> None:
     p.set_defaults(func=run_serve)
 
 
+def _step_ms(value: str) -> float | None:
+    if value.strip().lower() in ("off", "none", "0"):
+        return None
+    number = float(value)
+    if not number > 0 or number != number or number == float("inf"):
+        raise argparse.ArgumentTypeError(f"--max-step-ms must be a positive number of ms or 'off', got {value!r}")
+    return number
+
+
 def _flag(value: str) -> bool:
     return value.strip().lower() in ("1", "true", "yes", "on")
 
@@ -176,7 +191,7 @@ def run_serve(args: argparse.Namespace) -> int:
     engine = EngineArgs(model=str(info.model_dir), dtype=args.dtype, max_model_len=max_model_len,
                         block_size=args.block_size, num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
                         gpu_memory_utilization=args.gpu_memory_utilization,
-                        max_num_batched_tokens=args.max_num_batched_tokens,
+                        max_num_batched_tokens=args.max_num_batched_tokens, max_step_ms=args.max_step_ms,
                         num_threads=args.worker_threads, chat_template=chat_template,
                         attention_backend=args.attention_backend, device=args.device,
                         served_model_name=args.served_model_name or args.model)

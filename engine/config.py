@@ -140,11 +140,15 @@ class SchedulerConfig:
     """Continuous batching limits."""
 
     max_num_seqs: int = 64  # sequences running at once
-    max_num_batched_tokens: int = 8192  # tokens in one forward pass (prefill chunk budget)
+    max_num_batched_tokens: int = 8192  # tokens in one forward pass: the hard cap on a prefill chunk
+    # a step that decodes and prefills stays under this (engine/step_budget.py); None: the cap only
+    max_step_ms: float | None = None
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        if self.max_step_ms is not None and not self.max_step_ms > 0:
+            raise ValueError(f"max_step_ms must be > 0 (or None), got {self.max_step_ms}")
 
 
 @dataclass(frozen=True, slots=True)

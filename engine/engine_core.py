@@ -42,6 +42,7 @@ from engine.request import ErrorScope, Request, RequestStatus, RequestTimes
 from engine.sampling_params import InvalidParam, SamplingParams
 from engine.scheduler import Scheduler, TokenUpdate
 from engine.scheduler_types import SampledToken, TokenLogprobs
+from engine.step_budget import StepShape
 
 
 @dataclass(frozen=True, slots=True)
@@ -274,6 +275,7 @@ class EngineCore:
             if times.scheduled is None and times.first_token is None:  # its prompt starts computing here
                 times.scheduled = now
         self.counters.max_num_running = max(self.counters.max_num_running, len(scheduled.seqs))
+        started = time.perf_counter()
         try:
             runner_output = self.runner.execute(scheduled)
         except Exception:
@@ -283,6 +285,8 @@ class EngineCore:
                 self._detokenizers.pop(seq.request_id, None)
                 self.kv_exporter.close(seq.request_id, "error")
             raise
+        self.scheduler.step_budget.observe(StepShape(
+            scheduled.num_decodes, scheduled.num_batched_tokens - scheduled.num_decodes, time.perf_counter() - started))
         updates = self.scheduler.update_from_output(scheduled, runner_output)
         failed_outputs += [self._fail(self.scheduler.requests[request_id], message)
                            for request_id, message in runner_output.failed.items()

@@ -35,7 +35,9 @@ class LLM:
     ``dtype`` ("auto" | "float32" | "bfloat16" | "float16"), ``max_model_len``, ``block_size``,
     ``num_kv_blocks`` / ``kv_cache_memory_bytes`` (default: 1 GiB on the CPU; on a GPU, what
     ``gpu_memory_utilization`` of its memory leaves after the weights), ``max_num_seqs``, ``max_num_batched_tokens``
-    (the per-step token budget: longer prompts are prefilled in chunks), ``enable_prefix_caching``,
+    (the per-step token cap: longer prompts are prefilled in chunks), ``max_step_ms`` (a time target
+    for steps that decode and prefill: the prompt chunk is sized from the measured prefill rate so
+    that running streams are not stalled; None: the token cap only), ``enable_prefix_caching``,
     ``num_threads`` (torch threads), ``seed``, ``chat_template`` (Jinja source override).
     A prompt dict may carry ``cache_salt``: requests only share prefix-cache blocks with
     requests of the same salt.
@@ -52,6 +54,7 @@ class LLM:
         gpu_memory_utilization: float = 0.9,
         max_num_seqs: int = 64,
         max_num_batched_tokens: int = 8192,
+        max_step_ms: float | None = None,
         enable_prefix_caching: bool = True,
         num_threads: int | None = None,
         seed: int = 0,
@@ -84,7 +87,7 @@ class LLM:
             model=model_config,
             cache=CacheConfig(block_size, num_kv_blocks, kv_cache_memory_bytes, enable_prefix_caching,
                               gpu_memory_utilization),
-            scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens),
+            scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_step_ms),
             num_threads=num_threads,
             seed=seed,
             attention_backend=attention_backend,
@@ -197,6 +200,7 @@ class EngineArgs:
     gpu_memory_utilization: float = 0.9  # --gpu-memory-utilization
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 8192
+    max_step_ms: float | None = None  # --max-step-ms
     enable_prefix_caching: bool = True
     num_threads: int | None = None  # --worker-threads: each worker pins its own
     seed: int = 0

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from engine.config import SchedulerConfig
 from engine.kv_cache.manager import KVCacheManager
 from engine.request import Request, RequestStatus
+from engine.step_budget import StepBudget, StepBudgetConfig
 from engine.scheduler_types import (
     PromptLogprobsInput,
     RunnerOutput,
@@ -48,6 +49,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}  # every unfinished request
         self.remote_kv_deadlines: dict[str, float] = {}  # request id -> monotonic deadline
         self.num_preemptions = 0
+        self.step_budget = StepBudget(StepBudgetConfig(config.max_num_batched_tokens, config.max_step_ms))
 
     # -- admission ---------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -109,19 +111,25 @@ class Scheduler:
 
     # -- one step ---------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        budget = self.config.max_num_batched_tokens
+        budget = self.config.max_num_batched_tokens  # every token of the step
         scheduled: dict[str, ScheduledSeq] = {}
         preempted: list[str] = []
         # Decodes first, then prompt chunks: a long prompt read in chunks never stalls the
-        # running streams. Within each group, admission order.
+        # running streams. Within each group, admission order. Prompt chunks share what the
+        # step's time target leaves beside the decodes (engine/step_budget.py).
         decoding = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
         prefilling = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
+        decoding_ids = {r.request_id for r in decoding}
+        prompt_room = self.step_budget.prompt_tokens(len(decoding))  # prompt tokens this step
         for request in decoding + prefilling:
             if budget <= 0:
                 break
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_left = request.num_tokens - request.num_computed_tokens
+            num_new = 1 if num_left == 1 else min(num_left, budget, prompt_room)
+            if num_new <= 0:
+                continue  # a prompt chunk with no room left this step
             while not self.kv.allocate_slots(request.request_id, request.num_computed_tokens + num_new):
                 victim = self.running.pop()  # the newest yields
                 self._preempt(victim)
@@ -129,16 +137,19 @@ class Scheduler:
                 undone = scheduled.pop(victim.request_id, None)
                 if undone is not None:
                     budget += len(undone.token_ids)
+                    prompt_room += 0 if victim.request_id in decoding_ids else len(undone.token_ids)
                 if victim is request:
                     break
             if request.status is RequestStatus.RUNNING:
                 scheduled[request.request_id] = self._scheduled(request, num_new)
                 budget -= num_new
-        while self.waiting and not preempted and budget > 0 and len(self.running) < self.config.max_num_seqs:
+                prompt_room -= num_new if num_left > 1 else 0
+        while (self.waiting and not preempted and min(budget, prompt_room) > 0
+               and len(self.running) < self.config.max_num_seqs):
             request = self.waiting[0]
             cached = self.kv.find_cached_prefix(request) if request.num_computed_tokens == 0 else []
             num_cached = len(cached) * self.kv.block_size
-            num_new = min(request.num_tokens - num_cached, budget)
+            num_new = min(request.num_tokens - num_cached, budget, prompt_room)
             if not self.kv.allocate_slots(request.request_id, num_cached + num_new, cached):
                 break
             self.waiting.popleft()
@@ -150,9 +161,11 @@ class Scheduler:
             self.running.append(request)
             scheduled[request.request_id] = self._scheduled(request, num_new)
             budget -= num_new
+            prompt_room -= num_new
         seqs = list(scheduled.values())
         total = sum(len(seq.token_ids) for seq in seqs)
-        return SchedulerOutput(seqs=seqs, num_batched_tokens=total, preempted_ids=preempted)
+        num_decodes = sum(1 for seq in seqs if seq.request_id in decoding_ids)
+        return SchedulerOutput(seqs=seqs, num_batched_tokens=total, preempted_ids=preempted, num_decodes=num_decodes)
 
     def _preempt(self, request: Request) -> None:
         self.kv.free(request.request_id)  # its full blocks stay cached: resuming may hit them

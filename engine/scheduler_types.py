@@ -50,6 +50,7 @@ class SchedulerOutput:
     seqs: list[ScheduledSeq]  # in admission order
     num_batched_tokens: int  # sum of len(seq.token_ids)
     preempted_ids: list[str]  # requests preempted while building this step
+    num_decodes: int = 0  # seqs feeding one token (their last sampled); the rest are prompt tokens
 
 
 @dataclass(frozen=True, slots=True)

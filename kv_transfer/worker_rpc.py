@@ -18,6 +18,7 @@ from engine.engine_core import EngineCore, EngineCoreOutput
 from engine.outputs import PositionLogprobs
 from engine.request import ErrorScope
 from engine.sampling_params import InvalidParam, SamplingParams
+from engine.step_budget import CHUNK_TOKEN_BUCKETS
 from kv_transfer.grpc_transport import CHANNEL_OPTIONS, SECRET_METADATA_KEY
 from proto import worker_pb2 as pb
 
@@ -219,4 +220,6 @@ def worker_stats(core: EngineCore, role: str, address: str, kv_bytes_sent: int =
         block_size=core.kv_manager.block_size, num_preemptions=scheduler.num_preemptions,
         prefix_cache_queried_tokens=core.kv_manager.stats.num_queried_tokens,
         prefix_cache_hit_tokens=core.kv_manager.stats.num_hit_tokens,
+        prefill_chunk_bounds=CHUNK_TOKEN_BUCKETS, prefill_chunk_counts=list(scheduler.step_budget.chunk_counts),
+        prefill_chunk_tokens_sum=scheduler.step_budget.chunk_sum,
     )

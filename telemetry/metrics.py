@@ -6,7 +6,7 @@ each one."""
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 # DESIGN.md's stages, in the order a request meets them
 STAGES = ("tokenize", "route", "prefill_queue", "prefill", "kv_transfer", "decode_queue", "decode", "stream")
@@ -108,3 +108,24 @@ class ClusterCollector:
         yield from counters.values()
         yield transfer
         yield failures
+        yield self._chunk_histogram(labels)
+
+    def _chunk_histogram(self, labels: list[str]) -> HistogramMetricFamily:
+        """``tandem:prefill_chunk_tokens``: prompt tokens per step that computed some, per
+        worker (the chunk sizes the step budget chose; buckets CHUNK_TOKEN_BUCKETS)."""
+        from engine.step_budget import CHUNK_TOKEN_BUCKETS
+
+        family = HistogramMetricFamily("tandem:prefill_chunk_tokens", "Prompt tokens computed per engine step "
+                                       "(chunked prefill sizes, bounded by --max-step-ms)", labels=labels)
+        for worker in self._pool.decode + self._pool.prefill:
+            stats = worker.stats
+            if stats is None or len(stats.prefill_chunk_counts) != len(stats.prefill_chunk_bounds) + 1:
+                continue
+            bounds = [str(float(b)) for b in stats.prefill_chunk_bounds] + ["+Inf"]
+            cumulative, buckets = 0, []
+            for bound, count in zip(bounds, stats.prefill_chunk_counts):
+                cumulative += count
+                buckets.append((bound, cumulative))
+            family.add_metric([self._model_name, worker.address, worker.role], buckets,
+                              stats.prefill_chunk_tokens_sum)
+        return family

@@ -338,3 +338,38 @@ def test_cluster_metrics_from_worker_stats(disagg_server):
     assert 'model_name="smollm2-135m-instruct"' in text()
     wait_until(lambda: prometheus_sum(text(), "tandem:kv_cache_usage_perc") == 0.0, what="KV usage back to idle")
     assert prometheus_sum(text(), "tandem:num_requests_waiting") == 0
+
+
+def test_prefill_chunk_sizes_are_a_histogram_in_metrics(colocated_server, disagg_server):
+    """tandem:prefill_chunk_tokens per worker: a prompt computed alone (nothing decoding
+    beside it) goes in one step, whatever --max-step-ms; the histogram counts it where it ran."""
+    for server, role in ((colocated_server, "decode"), (disagg_server, "prefill")):
+        text = lambda: httpx.get(f"{server.base_url}/metrics", timeout=10).text  # noqa: E731
+        time.sleep(1.0)  # a fresh Stats poll
+        before = text()
+        count_before = prometheus_sum(before, "tandem:prefill_chunk_tokens_count", f'role="{role}"')
+        sum_before = prometheus_sum(before, "tandem:prefill_chunk_tokens_sum", f'role="{role}"')
+        answer = client(server).completions.create(model="smollm2-135m-instruct", prompt=f"[chunks {role}] The sea is",
+                                                   max_tokens=2, temperature=0)
+        wait_until(lambda: prometheus_sum(text(), "tandem:prefill_chunk_tokens_sum", f'role="{role}"') - sum_before
+                   >= answer.usage.prompt_tokens, what=f"the {role} worker's prompt tokens in the chunk histogram")
+        after = text()
+        assert prometheus_sum(after, "tandem:prefill_chunk_tokens_count", f'role="{role}"') >= count_before + 1
+        from prometheus_client.parser import text_string_to_metric_families
+
+        (family,) = [f for f in text_string_to_metric_families(after) if f.name == "tandem:prefill_chunk_tokens"]
+        buckets = [s for s in family.samples if s.name.endswith("_bucket") and s.labels["role"] == role]
+        counts = [s.value for s in sorted(buckets, key=lambda s: float(s.labels["le"]))]
+        assert counts == sorted(counts) and counts[-1] == prometheus_sum(
+            after, "tandem:prefill_chunk_tokens_count", f'role="{role}"')  # cumulative, ending at the count
+
+
+def test_max_step_ms_flag_and_environment():
+    from cluster.cli import build_parser
+    from engine.step_budget import DEFAULT_MAX_STEP_MS
+
+    parse = lambda *flags: build_parser().parse_args(["serve", *flags]).max_step_ms  # noqa: E731
+    assert parse() == DEFAULT_MAX_STEP_MS and parse("--max-step-ms", "40") == 40.0
+    assert parse("--max-step-ms", "off") is None
+    with pytest.raises(SystemExit):
+        parse("--max-step-ms", "-3")

@@ -1,0 +1,100 @@
+"""How many prompt tokens a step may compute: the token cap, and a time target when prefill
+shares the step with decoding sequences.
+
+A decode step of a running batch takes roughly a fixed time (its weights are read once);
+every prompt token added to that step adds roughly a fixed cost on top. So a step that
+decodes ``num_decodes`` sequences and prefills ``k`` prompt tokens takes about
+
+    decode_ms + k * ms_per_prompt_token
+
+and the largest ``k`` that keeps the step under ``max_step_ms`` is what the scheduler may
+give prompt chunks. Both terms are measured on this engine, step by step (exponential moving
+averages), so the chunk follows the machine, the model, the dtype and the thread count:
+
+    steps that only decode       -> decode_ms
+    steps that compute prompts   -> ms_per_prompt_token = (elapsed - decode part) / k
+
+With nothing decoding, no stream waits on the step, and prompts get the whole token cap
+(``max_num_batched_tokens``): one long pass is the fastest way through a prompt. Until the
+first step with prompt tokens has been timed, a step that decodes gives prompts
+``min_chunk_tokens``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# `tandem serve --max-step-ms` default (the offline LLM has none): chosen by measurement, see
+# README ("Chunking bounded by time") and `tandem bench engine --max-step-ms`
+DEFAULT_MAX_STEP_MS = 100.0
+
+# histogram buckets of the chosen chunk sizes (tandem:prefill_chunk_tokens), in tokens
+CHUNK_TOKEN_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
+
+@dataclass(frozen=True, slots=True)
+class StepBudgetConfig:
+    max_num_batched_tokens: int  # the hard cap on tokens per step (vLLM's name)
+    max_step_ms: float | None  # target for a step that decodes and prefills; None: the cap only
+    min_chunk_tokens: int = 16  # prompts always progress by at least this much per step
+    smoothing: float = 0.25  # weight of the newest step in the moving averages
+
+    def __post_init__(self) -> None:
+        if self.max_step_ms is not None and not self.max_step_ms > 0:
+            raise ValueError(f"max_step_ms must be > 0, got {self.max_step_ms}")
+        if self.min_chunk_tokens < 1 or not 0 < self.smoothing <= 1:
+            raise ValueError("min_chunk_tokens must be >= 1 and smoothing in (0, 1]")
+
+
+@dataclass(frozen=True, slots=True)
+class StepShape:
+    """What one executed step did, for the budget to learn from."""
+
+    num_decodes: int  # sequences that fed one token (their last sampled one)
+    num_prompt_tokens: int  # prompt (or recomputed) tokens fed by the other sequences
+    elapsed_s: float  # the forward pass and sampling, wall clock
+
+
+class StepBudget:
+    """Owned by the scheduler's caller (the engine core), asked by the scheduler once per
+    step, told after every step. Not thread-safe: the engine thread alone uses it."""
+
+    def __init__(self, config: StepBudgetConfig) -> None:
+        self.config = config
+        self.decode_ms: float | None = None  # EWMA of steps that only decode
+        self.ms_per_prompt_token: float | None = None  # EWMA of the marginal cost of a prompt token
+        self.chunk_counts = [0] * (len(CHUNK_TOKEN_BUCKETS) + 1)  # per bucket (last: above every bound)
+        self.chunk_sum = 0  # prompt tokens over every step that computed some
+
+    def prompt_tokens(self, num_decodes: int) -> int:
+        """Prompt tokens the next step may compute, given that ``num_decodes`` sequences decode
+        in it (the decodes come out of the token cap separately)."""
+        cap = self.config.max_num_batched_tokens
+        target = self.config.max_step_ms
+        if target is None or num_decodes == 0:
+            return cap
+        if self.ms_per_prompt_token is None:
+            return min(cap, self.config.min_chunk_tokens)
+        room_ms = target - (self.decode_ms or 0.0)
+        return max(self.config.min_chunk_tokens, min(cap, int(room_ms / self.ms_per_prompt_token)))
+
+    def observe(self, shape: StepShape) -> None:
+        elapsed_ms = shape.elapsed_s * 1000
+        if shape.num_prompt_tokens == 0:
+            if shape.num_decodes:
+                self.decode_ms = self._average(self.decode_ms, elapsed_ms)
+            return
+        self._count(shape.num_prompt_tokens)
+        decode_part = (self.decode_ms or 0.0) if shape.num_decodes else 0.0
+        # a step can beat the estimate of its decode part (noise): the prompt tokens still cost something
+        marginal = max(elapsed_ms - decode_part, elapsed_ms * 0.1) / shape.num_prompt_tokens
+        self.ms_per_prompt_token = self._average(self.ms_per_prompt_token, marginal)
+
+    def _average(self, current: float | None, sample: float) -> float:
+        return sample if current is None else current + self.config.smoothing * (sample - current)
+
+    def _count(self, num_tokens: int) -> None:
+        index = next((i for i, bound in enumerate(CHUNK_TOKEN_BUCKETS) if num_tokens <= bound),
+                     len(CHUNK_TOKEN_BUCKETS))
+        self.chunk_counts[index] += 1
+        self.chunk_sum += num_tokens
