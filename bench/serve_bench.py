@@ -58,19 +58,34 @@ class LoadConfig:
     seed: int = 0
     api_key: str | None = None
     ignore_eos: bool = True  # False for servers that refuse the field (see probe_ignore_eos)
+    url: str | None = None  # where requests go; None: base_url + /completions (or /chat/completions)
+    chat: bool = False  # /v1/chat/completions (the prompt as one user message) instead of /v1/completions
+    sampling: dict[str, float] = field(default_factory=lambda: {"temperature": 0.0})  # body fields
+
+    @property
+    def request_url(self) -> str:
+        return self.url or f"{self.base_url}/{'chat/completions' if self.chat else 'completions'}"
+
+    def body(self, request: BenchRequest) -> dict:
+        body = {"model": self.model, "max_tokens": request.max_tokens, "stream": True,
+                "stream_options": {"include_usage": True}, **self.sampling}
+        if self.chat:
+            body["messages"] = [{"role": "user", "content": request.prompt}]
+        else:
+            body["prompt"] = request.prompt
+        if self.ignore_eos:
+            body["ignore_eos"] = True
+        return body
 
 
 async def _one(client: httpx.AsyncClient, config: LoadConfig, request: BenchRequest, delay_s: float) -> RequestResult:
-    body = {"model": config.model, "prompt": request.prompt, "max_tokens": request.max_tokens, "temperature": 0,
-            "stream": True, "stream_options": {"include_usage": True}}
-    if config.ignore_eos:
-        body["ignore_eos"] = True
+    body = config.body(request)
     result = RequestResult(ok=False, send_delay_s=delay_s, requested_tokens=request.max_tokens)
     start = time.perf_counter()
     last = None
     text_events = 0
     try:
-        async with client.stream("POST", f"{config.base_url}/completions", json=body) as response:
+        async with client.stream("POST", config.request_url, json=body) as response:
             if response.status_code != 200:
                 result.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
                 return result
@@ -83,7 +98,7 @@ async def _one(client: httpx.AsyncClient, config: LoadConfig, request: BenchRequ
                     return result
                 now = time.perf_counter()
                 choice = (event.get("choices") or [{}])[0]
-                if choice.get("text"):
+                if choice.get("text") or (choice.get("delta") or {}).get("content"):
                     if last is None:
                         result.ttft_s = now - start
                     else:
@@ -161,39 +176,48 @@ async def run_load(config: LoadConfig, requests: list[BenchRequest],
         return list(results), time.perf_counter() - start
 
 
-def _stats_ms(values: list[float]) -> dict:
+def _stats_ms(values: list[float], percentiles: list[float] = ()) -> dict:
+    """mean, std, p50/p90/p99 and ``percentiles`` (vLLM's --metric-percentiles, e.g. 99.9:
+    nearest rank) in ms."""
     if not values:
-        return {"mean": None, "p50": None, "p90": None, "p99": None}
+        return {"mean": None, "std": None, "p50": None, "p90": None, "p99": None,
+                "percentiles": {f"{p:g}": None for p in percentiles}}
     ordered = sorted(v * 1000 for v in values)
 
     def pct(q: float) -> float:
         return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
 
-    return {"mean": statistics.fmean(ordered), "p50": pct(0.5), "p90": pct(0.9), "p99": pct(0.99)}
+    return {"mean": statistics.fmean(ordered), "std": statistics.pstdev(ordered), "p50": pct(0.5), "p90": pct(0.9),
+            "p99": pct(0.99), "percentiles": {f"{p:g}": pct(p / 100) for p in percentiles}}
 
 
 def summarize(results: list[RequestResult], duration_s: float, slo_ttft_ms: float | None = None,
-              slo_tpot_ms: float | None = None) -> dict:
+              slo_tpot_ms: float | None = None, slo_e2e_ms: float | None = None,
+              percentiles: list[float] = ()) -> dict:
+    """vLLM's definitions (see the module docstring); a request meets the SLOs when it
+    finished and each SLO given holds (TPOT of a one-token output counts as met)."""
     done = [r for r in results if r.ok]
 
     def meets_slo(r: RequestResult) -> bool:
         tpot = r.tpot_s
         return r.ok and (slo_ttft_ms is None or r.ttft_s * 1000 <= slo_ttft_ms) and (
-            slo_tpot_ms is None or tpot is None or tpot * 1000 <= slo_tpot_ms)
+            slo_tpot_ms is None or tpot is None or tpot * 1000 <= slo_tpot_ms) and (
+            slo_e2e_ms is None or r.e2e_s * 1000 <= slo_e2e_ms)
 
     prompt_tokens = sum(r.prompt_tokens for r in done)
     short = [r for r in done if r.output_tokens < r.requested_tokens]
     return {
         "num_requests": len(results), "completed": len(done), "failed": len(results) - len(done),
         "duration_s": duration_s,
+        "total_input_tokens": prompt_tokens, "total_output_tokens": sum(r.output_tokens for r in done),
         "request_throughput": len(done) / duration_s if duration_s else 0.0,
         "output_token_throughput": sum(r.output_tokens for r in done) / duration_s if duration_s else 0.0,
         "goodput": sum(meets_slo(r) for r in results) / duration_s if duration_s else 0.0,
         "slo_attainment": sum(meets_slo(r) for r in results) / len(results) if results else 0.0,
-        "ttft_ms": _stats_ms([r.ttft_s for r in done]),
-        "tpot_ms": _stats_ms([r.tpot_s for r in done if r.tpot_s is not None]),
-        "itl_ms": _stats_ms([gap for r in done for gap in r.itl_s]),
-        "e2e_ms": _stats_ms([r.e2e_s for r in done]),
+        "ttft_ms": _stats_ms([r.ttft_s for r in done], percentiles),
+        "tpot_ms": _stats_ms([r.tpot_s for r in done if r.tpot_s is not None], percentiles),
+        "itl_ms": _stats_ms([gap for r in done for gap in r.itl_s], percentiles),
+        "e2e_ms": _stats_ms([r.e2e_s for r in done], percentiles),
         "prefix_hit_rate": sum(r.cached_tokens for r in done) / prompt_tokens if prompt_tokens else 0.0,
         "max_send_delay_ms": max((r.send_delay_s for r in results), default=0.0) * 1000,
         "errors": sorted({r.error for r in results if r.error})[:5],
@@ -207,10 +231,14 @@ def summarize(results: list[RequestResult], duration_s: float, slo_ttft_ms: floa
     }
 
 
-def render(label: str, summary: dict) -> str:
+def render(label: str, summary: dict, percentile_metrics: list[str] = ("ttft", "tpot", "itl")) -> str:
     def fmt(stats: dict) -> str:
         return " / ".join("-" if stats[k] is None else f"{stats[k]:.1f}" for k in ("mean", "p50", "p90", "p99"))
 
+    keys = {"ttft": "ttft_ms", "tpot": "tpot_ms", "itl": "itl_ms", "e2el": "e2e_ms"}
+    extra = [f"  {metric.upper()} ms " + ", ".join(f"p{name} {'-' if v is None else f'{v:.1f}'}"
+                                                  for name, v in summary[keys[metric]]["percentiles"].items())
+             for metric in percentile_metrics if metric in keys and summary[keys[metric]]["percentiles"]]
     return "\n".join([
         f"{label}: {summary['completed']}/{summary['num_requests']} ok in {summary['duration_s']:.1f} s, "
         f"{summary['request_throughput']:.2f} req/s, {summary['output_token_throughput']:.1f} tok/s, "
@@ -219,7 +247,7 @@ def render(label: str, summary: dict) -> str:
         f"generator at most {summary['max_send_delay_ms']:.0f} ms late",
         f"  TTFT ms mean/p50/p90/p99: {fmt(summary['ttft_ms'])}",
         f"  TPOT ms: {fmt(summary['tpot_ms'])}   ITL ms: {fmt(summary['itl_ms'])}   E2E ms: {fmt(summary['e2e_ms'])}",
-    ] + ([f"  errors: {summary['errors']}"] if summary["errors"] else [])
+    ] + extra + ([f"  errors: {summary['errors']}"] if summary["errors"] else [])
       + ([f"  note: ignore_eos not honoured: {summary['num_stopped_short']} requests stopped before max_tokens "
           "(output lengths differ from the workload's)"] if not summary["ignore_eos_honored"] else [])
       + (["  note: no usage in the stream: output tokens counted as streamed text events"]

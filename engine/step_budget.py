@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 # `tandem serve --max-step-ms` default (the offline LLM has none): chosen by measurement, see
 # README ("Chunking bounded by time") and `tandem bench engine --max-step-ms`
-DEFAULT_MAX_STEP_MS = 100.0
+DEFAULT_MAX_STEP_MS = 150.0
 
 # histogram buckets of the chosen chunk sizes (tandem:prefill_chunk_tokens), in tokens
 CHUNK_TOKEN_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)

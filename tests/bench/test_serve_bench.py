@@ -22,8 +22,12 @@ from tests.workers import wait_until
 FIRST_S, GAP_S, NUM_TOKENS = 0.30, 0.20, 4  # the script: first token after 300 ms, then every 200 ms
 
 
+RECEIVED: list[dict] = []  # every request body the scripted server got
+
+
 async def completions(request: Request):
     body = await request.json()
+    RECEIVED.append(body)
     if body["prompt"] == "fail":
         return JSONResponse({"error": {"message": "scripted failure"}}, status_code=500)
 
@@ -34,6 +38,24 @@ async def completions(request: Request):
                 await asyncio.sleep(GAP_S)
             yield f"data: {json.dumps({'choices': [{'index': 0, 'text': f't{index}'}]})}\n\n"
         usage = {"prompt_tokens": 7, "completion_tokens": NUM_TOKENS, "prompt_tokens_details": {"cached_tokens": 3}}
+        yield f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n"
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(events(), media_type="text/event-stream")
+
+
+async def chat_completions(request: Request):
+    body = await request.json()
+    RECEIVED.append(body)
+
+    async def events():
+        await asyncio.sleep(FIRST_S)
+        yield f"data: {json.dumps({'choices': [{'index': 0, 'delta': {'role': 'assistant'}}]})}\n\n"
+        for index in range(NUM_TOKENS):
+            if index:
+                await asyncio.sleep(GAP_S)
+            yield f"data: {json.dumps({'choices': [{'index': 0, 'delta': {'content': f't{index}'}}]})}\n\n"
+        usage = {"prompt_tokens": 9, "completion_tokens": NUM_TOKENS}
         yield f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n"
         yield "data: [DONE]\n\n"
 
@@ -64,6 +86,7 @@ async def strict_completions(request: Request):
 def scripted_server():
     port = free_port()
     routes = [Route("/v1/completions", completions, methods=["POST"]),
+              Route("/v1/chat/completions", chat_completions, methods=["POST"]),
               Route("/strict/v1/completions", strict_completions, methods=["POST"])]
     server = uvicorn.Server(uvicorn.Config(Starlette(routes=routes), host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
@@ -173,16 +196,17 @@ def test_compare_calibrates_the_slo_and_ranks_servers(scripted_server):
     strict = Contender("b", "scripted, strict", [], lambda: nullcontext(scripted_server.replace("/v1", "/strict/v1")),
                        "m")
     requests = [BenchRequest("hello", NUM_TOKENS, -1)] * 2
+    RECEIVED.clear()
     result = compare([honest, strict], [requests], [5.0], seed=0, slo_tpot_ms=None, slo_ttft_ms=None,
-                     calibration=requests,
-                     say=lambda line: None)
+                     calibration=requests, say=lambda line: None, warm_up=[BenchRequest("warm", 2, -1)] * 3)
+    assert sum(b.get("prompt") == "warm" for b in RECEIVED) == 3  # the honest one was warmed up (strict too)
     assert result.unloaded_step_ms == pytest.approx(GAP_S * 1000, abs=60)
     assert result.slo_tpot_ms == pytest.approx(3 * result.unloaded_step_ms)
     assert result.notes == {"a": [], "b": ["refuses ignore_eos: output lengths vary"]}
     a, b = result.runs["a"][5.0], result.runs["b"][5.0]
     assert a["completed"] == b["completed"] == 2 and a["goodput"] > 0 and b["goodput"] > 0
     rendered = table(result, "a")
-    assert "| a | 5 |" in rendered and f"{a['goodput'] / b['goodput']:.2f}x" in rendered
+    assert "| a | 5 | 2/2 |" in rendered and f"| {b['goodput']:.3f} | {b['goodput'] / a['goodput']:.2f}x |" in rendered
 
 
 def test_transformers_serve_contender_runs_the_workload(smollm_dir):
@@ -210,3 +234,86 @@ def test_stage_means_come_from_the_metrics_delta():
     assert stage_means_ms(before, after) == pytest.approx({"prefill": 1500.0, "kv_transfer": 15.0})
     assert stage_means_ms(None, after)["prefill"] == pytest.approx(5000 / 6)
     assert stage_means_ms(before, None) is None
+
+
+def test_a_vllm_bench_serve_command_line_runs_unchanged(scripted_server, tmp_path, capsys):
+    """`vllm bench serve`'s flags as a vLLM user writes them: base URL without /v1, endpoint,
+    random dataset lengths, goodput SLOs, saved vLLM-shaped results."""
+    from cluster.cli import main
+
+    root = scripted_server.removesuffix("/v1")
+    RECEIVED.clear()
+    line = (f"--backend vllm --base-url {root} --endpoint /v1/completions --model m --dataset-name random "
+            "--random-input-len 20 --random-output-len 4 --random-range-ratio 0.5 --random-prefix-len 5 "
+            "--num-prompts 6 --request-rate 20 --burstiness 1.0 --seed 1 --ignore-eos --goodput ttft:1000 tpot:1000 "
+            "--metric-percentiles 50,99.9 --percentile-metrics ttft,tpot,itl,e2el --temperature 0.5 --top-k 4 "
+            "--save-result --result-dir " + str(tmp_path) + " --result-filename r.json --metadata site=here "
+            "--tokenizer some/tokenizer --trust-remote-code --disable-tqdm")
+    assert main(["bench", "serve", *line.split()]) == 0
+    result = json.loads((tmp_path / "r.json").read_text())
+    assert result["completed"] == 6 and result["failed"] == 0 and result["backend"] == "vllm"
+    assert result["request_goodput"] > 0 and result["site"] == "here"
+    assert result["total_output_tokens"] == 6 * NUM_TOKENS and result["total_input_tokens"] == 6 * 7
+    for key in ("mean_ttft_ms", "median_ttft_ms", "p99.9_ttft_ms", "p50_itl_ms", "std_tpot_ms", "mean_e2el_ms"):
+        assert result[key] is not None and result[key] > 0, key
+    assert result["median_ttft_ms"] == pytest.approx(FIRST_S * 1000, abs=80)
+    assert "TTFT ms p50" in capsys.readouterr().out  # the percentiles asked for are printed
+    bodies = [b for b in RECEIVED if b["prompt"] != "Hello"]  # less the ignore_eos probe
+    assert len(bodies) == 6 and all(b["ignore_eos"] and b["temperature"] == 0.5 and b["top_k"] == 4 for b in bodies)
+    lengths = [len(b["prompt"].split()) for b in bodies]
+    assert all(5 + 10 <= n <= 5 + 30 for n in lengths) and len(set(lengths)) > 1  # prefix + 20 +- 50%
+    assert len({" ".join(b["prompt"].split()[:5]) for b in bodies}) == 1  # the shared prefix
+    assert {b["max_tokens"] for b in bodies} <= set(range(2, 7))
+
+
+def test_openai_chat_backend_posts_messages_and_reads_deltas(scripted_server, tmp_path):
+    from cluster.cli import main
+
+    RECEIVED.clear()
+    out = tmp_path / "chat.json"
+    assert main(["bench", "serve", "--backend", "openai-chat", "--base-url", scripted_server, "--model", "m",
+                 "--dataset-name", "random", "--random-input-len", "8", "--num-prompts", "2", "--out", str(out)]) == 0
+    summary = json.loads(out.read_text())["server"]
+    assert summary["completed"] == 2 and summary["total_output_tokens"] == 2 * NUM_TOKENS
+    assert summary["ttft_ms"]["p50"] == pytest.approx(FIRST_S * 1000, abs=80)  # the role-only event is not a token
+    assert summary["itl_ms"]["p50"] == pytest.approx(GAP_S * 1000, abs=80)
+    chats = [b for b in RECEIVED if "messages" in b]
+    assert len(chats) == 2 and all(b["messages"][0]["role"] == "user" for b in chats)
+
+
+@pytest.mark.parametrize("bad", [["ttft"], ["latency:5"], ["tpot:fast"]])
+def test_goodput_pairs_are_checked(bad):
+    from bench.serve_cli import parse_goodput
+
+    assert parse_goodput(["ttft:500", "tpot:50", "e2el:9000"]) == {"ttft": 500.0, "tpot": 50.0, "e2el": 9000.0}
+    with pytest.raises(ValueError, match="--goodput"):
+        parse_goodput(bad)
+
+
+def test_e2el_slo_counts_in_goodput():
+    from bench.serve_bench import RequestResult
+
+    fast = RequestResult(ok=True, send_delay_s=0, ttft_s=0.1, e2e_s=0.5, output_tokens=5)
+    slow = RequestResult(ok=True, send_delay_s=0, ttft_s=0.1, e2e_s=3.0, output_tokens=5)
+    summary = summarize([fast, slow], 1.0, slo_e2e_ms=1000, percentiles=[50])
+    assert summary["slo_attainment"] == 0.5 and summary["e2e_ms"]["percentiles"] == {"50": 500.0}
+
+
+def test_contenders_are_chosen_by_name_and_vllm_runs_as_a_module(tmp_path):
+    from bench.compare import default_contenders
+
+    named = default_contenders("m", "/weights", "bfloat16", [], ["colocated", "vllm", "disagg"],
+                               vllm_python="/peers/bin/python")
+    assert [c.name for c in named] == ["colocated", "vllm", "disagg"]
+    vllm = named[1]
+    assert vllm.command[:3] == ["/peers/bin/python", "-m", "vllm.entrypoints.openai.api_server"]
+    assert vllm.command[vllm.command.index("--model") + 1] == "/weights" and "bfloat16" in vllm.command
+    assert vllm.env["VLLM_CPU_OMP_THREADS_BIND"] == "0-1" and vllm.model == "bench"
+    assert "--max-step-ms" not in named[0].command  # colocated with tandem's defaults
+    budgets = default_contenders("m", "/weights", "float32", [256, 512], ["colocated"])
+    assert [c.name for c in budgets] == ["colocated-256", "colocated-512"]
+    assert budgets[0].command[-4:] == ["--max-num-batched-tokens", "256", "--max-step-ms", "off"]
+    with pytest.raises(ValueError, match="--vllm-python"):
+        default_contenders("m", "/weights", "float32", [], ["vllm"])
+    with pytest.raises(ValueError, match="unknown contenders"):
+        default_contenders("m", "/weights", "float32", [], ["sglang"])
