@@ -246,13 +246,94 @@ void attend_split(const float* qf, const scalar_t* cache, const int64_t* table, 
   }
 }
 
+// attend_split for a head_dim known at compile time, over every KV head of the sequence: one
+// (sequence, split) walks its blocks once, and each block's rows (all KV heads, keys and
+// values: [block_size, 2 * kv_heads, D], contiguous) are read in order while they are hot.
+// Per KV head, the block's K rows are widened to float32 into ``rows`` ([block_size, D]),
+// dotted with each query head of the group (fixed-length loops: the compiler keeps a row in
+// registers and reduces once per dot), then the same for V with the group's accumulators
+// held in registers across the block. parts: [kv_heads * group, D + 2] as in attend_split.
+template <typename scalar_t, int D>
+void attend_split_fixed(const float* qf, const scalar_t* cache, const int64_t* table, int64_t block_size,
+                        int64_t kv_heads, int64_t group, int64_t first, int64_t last, float* parts, float* scratch) {
+  float* rows = scratch;                  // [block_size, D]
+  float* s = scratch + block_size * D;    // [group, block_size]
+  const int64_t slot_stride = 2 * kv_heads * D, stride = D + 2, num_q = kv_heads * group;
+  for (int64_t g = 0; g < num_q; ++g) {
+    std::fill(parts + g * stride, parts + g * stride + D, 0.f);
+    parts[g * stride + D] = -INFINITY;
+    parts[g * stride + D + 1] = 0.f;
+  }
+  for (int64_t start = first; start < last;) {
+    const int64_t block = table[start / block_size];
+    const int64_t offset = start % block_size;
+    const int64_t count = std::min(block_size - offset, last - start);
+    const scalar_t* base = cache + (block * block_size + offset) * slot_stride;
+    if (start + count < last) {  // the next block, every line of it, while this one computes
+      const char* next = reinterpret_cast<const char*>(cache + table[(start + count) / block_size] * block_size *
+                                                       slot_stride);
+      const int64_t bytes = std::min(block_size, last - start - count) * slot_stride * sizeof(scalar_t);
+      for (int64_t byte = 0; byte < bytes; byte += 64) __builtin_prefetch(next + byte);
+    }
+    for (int64_t h = 0; h < kv_heads; ++h) {
+      for (int64_t i = 0; i < count; ++i) load_f32(base + i * slot_stride + h * D, rows + i * D, D);
+      for (int64_t g = 0; g < group; ++g) {
+        const float* q = qf + (h * group + g) * D;
+        for (int64_t i = 0; i < count; ++i) {
+          const float* k = rows + i * D;
+          float total = 0.f;
+#pragma omp simd reduction(+ : total)
+          for (int d = 0; d < D; ++d) total += q[d] * k[d];
+          s[g * block_size + i] = total;
+        }
+        float* row = s + g * block_size;
+        float* acc = parts + (h * group + g) * stride;
+        float block_max = row[0];
+        for (int64_t i = 1; i < count; ++i) block_max = std::max(block_max, row[i]);
+        const float m_old = acc[D], m_new = std::max(m_old, block_max);
+        const float correction = std::exp(m_old - m_new);  // 0 on the first block (m_old = -inf)
+        float total = 0.f;
+#pragma omp simd reduction(+ : total)
+        for (int64_t i = 0; i < count; ++i) {
+          row[i] = exp_nonpositive(row[i] - m_new);
+          total += row[i];
+        }
+        acc[D] = m_new;
+        acc[D + 1] = acc[D + 1] * correction + total;
+        if (correction != 1.f) {
+#pragma omp simd
+          for (int d = 0; d < D; ++d) acc[d] *= correction;
+        }
+      }
+      for (int64_t i = 0; i < count; ++i) load_f32(base + i * slot_stride + (kv_heads + h) * D, rows + i * D, D);
+      for (int64_t g = 0; g < group; ++g) {
+        const float* p = s + g * block_size;
+        float* acc_out = parts + (h * group + g) * stride;
+        float acc[D];
+#pragma omp simd
+        for (int d = 0; d < D; ++d) acc[d] = acc_out[d];
+        for (int64_t i = 0; i < count; ++i) {
+          const float* v = rows + i * D;
+          const float weight = p[i];
+#pragma omp simd
+          for (int d = 0; d < D; ++d) acc[d] += weight * v[d];
+        }
+#pragma omp simd
+        for (int d = 0; d < D; ++d) acc_out[d] = acc[d];
+      }
+    }
+    start += count;
+  }
+}
+
 // One query token per sequence against its paged context:
 //   query [n, heads, head_dim]; kv_cache [blocks, block_size, 2 * kv_heads, head_dim] (keys in
 //   heads [0, kv_heads), values after); block_tables [n, max_blocks] int64; seq_lens [n] int64.
 // Reads only positions [0, seq_len) of each sequence, through its block table. Each task is
-// one (sequence, KV head, split of kSplitPositions): the K/V rows of a KV head are read once
-// for all the query heads of its group, converted to float32 in registers, and attended with
-// an online softmax; the splits of a (sequence, KV head) are then merged in order.
+// one (sequence, split of kSplitPositions) over every KV head: the K/V rows of a KV head are
+// read once for all the query heads of its group, converted to float32, and attended with an
+// online softmax (head_dim 64 and 128 through attend_split_fixed, others through
+// attend_split); the splits of a (sequence, KV head) are then merged in order.
 torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor kv_cache, torch::Tensor block_tables,
                                      torch::Tensor seq_lens, double scale) {
   TORCH_CHECK(query.dim() == 3 && query.stride(2) == 1, "paged_decode_attention: query [n, heads, head_dim]");
@@ -268,7 +349,7 @@ torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor kv_cache
   const int64_t max_blocks = block_tables.size(1), group = heads / kv_heads;
   const int64_t* tables = block_tables.data_ptr<int64_t>();
   const int64_t* lens = seq_lens.data_ptr<int64_t>();
-  // tasks: (sequence, KV head, split); splits[seq] = how many, first_task[seq] = where its tasks start
+  // tasks: (sequence, split); splits[seq] = how many, first_task[seq] = where its tasks start
   std::vector<int64_t> splits(n), first_task(n + 1, 0);
   for (int64_t i = 0; i < n; ++i) {
     TORCH_CHECK(lens[i] >= 1 && lens[i] <= max_blocks * block_size, "paged_decode_attention: bad seq_len ", lens[i]);
@@ -277,10 +358,11 @@ torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor kv_cache
       TORCH_CHECK(block >= 0 && block < num_blocks, "paged_decode_attention: block id ", block, " out of range");
     }
     splits[i] = (lens[i] + kSplitPositions - 1) / kSplitPositions;
-    first_task[i + 1] = first_task[i] + kv_heads * splits[i];
+    first_task[i + 1] = first_task[i] + splits[i];
   }
-  const int64_t part_size = group * (head_dim + 2);  // one task's partial result
-  std::vector<float> parts(first_task[n] * part_size);
+  const int64_t head_part = group * (head_dim + 2);  // one (task, KV head)'s partial result
+  const int64_t task_part = kv_heads * head_part;     // one task's: every KV head of its sequence
+  std::vector<float> parts(first_task[n] * task_part);
   auto out = torch::empty({n, heads, head_dim}, query.options());
   DISPATCH(query.scalar_type(), "paged_decode_attention", [&] {
     const scalar_t* q = query.data_ptr<scalar_t>();
@@ -289,34 +371,46 @@ torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor kv_cache
     const int64_t q_tok = query.stride(0), q_head = query.stride(1);
     const int64_t slot_stride = 2 * kv_heads * head_dim;
     at::parallel_for(0, first_task[n], 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> qf(group * head_dim), scratch(head_dim + group * block_size);
+      std::vector<float> qf(heads * head_dim), scratch(block_size * std::max<int64_t>(head_dim, group) + head_dim +
+                                                       group * block_size);
       int64_t seq = std::upper_bound(first_task.begin(), first_task.end(), begin) - first_task.begin() - 1;
       for (int64_t task = begin; task < end; ++task) {
         while (task >= first_task[seq + 1]) ++seq;
-        const int64_t local = task - first_task[seq], kvh = local / splits[seq], split = local % splits[seq];
-        for (int64_t g = 0; g < group; ++g) {  // the scale folded into the query
-          const scalar_t* qh = q + seq * q_tok + (kvh * group + g) * q_head;
-          load_f32(qh, qf.data() + g * head_dim, head_dim);
-          for (int64_t d = 0; d < head_dim; ++d) qf[g * head_dim + d] *= static_cast<float>(scale);
+        const int64_t split = task - first_task[seq];
+        for (int64_t h = 0; h < heads; ++h) {  // the scale folded into the query
+          load_f32(q + seq * q_tok + h * q_head, qf.data() + h * head_dim, head_dim);
+          for (int64_t d = 0; d < head_dim; ++d) qf[h * head_dim + d] *= static_cast<float>(scale);
         }
         const int64_t first = split * kSplitPositions, last = std::min(lens[seq], first + kSplitPositions);
-        attend_split<scalar_t>(qf.data(), cache, tables + seq * max_blocks, block_size, slot_stride,
-                               kvh * head_dim, (kv_heads + kvh) * head_dim, group, head_dim, first, last,
-                               parts.data() + task * part_size, scratch.data());
+        const int64_t* table = tables + seq * max_blocks;
+        float* task_parts = parts.data() + task * task_part;
+        if (head_dim == 64) {
+          attend_split_fixed<scalar_t, 64>(qf.data(), cache, table, block_size, kv_heads, group, first, last,
+                                           task_parts, scratch.data());
+        } else if (head_dim == 128) {
+          attend_split_fixed<scalar_t, 128>(qf.data(), cache, table, block_size, kv_heads, group, first, last,
+                                            task_parts, scratch.data());
+        } else {
+          for (int64_t kvh = 0; kvh < kv_heads; ++kvh)
+            attend_split<scalar_t>(qf.data() + kvh * group * head_dim, cache, table, block_size, slot_stride,
+                                   kvh * head_dim, (kv_heads + kvh) * head_dim, group, head_dim, first, last,
+                                   task_parts + kvh * head_part, scratch.data());
+        }
       }
     });
     at::parallel_for(0, n * kv_heads, 4, [&](int64_t begin, int64_t end) {  // merge the splits, in order
       std::vector<float> acc(head_dim);
       for (int64_t pair = begin; pair < end; ++pair) {
         const int64_t seq = pair / kv_heads, kvh = pair % kv_heads;
-        const float* first_part = parts.data() + (first_task[seq] + kvh * splits[seq]) * part_size;
+        const float* head_parts = parts.data() + first_task[seq] * task_part + kvh * head_part;
         for (int64_t g = 0; g < group; ++g) {
           float m = -INFINITY;
-          for (int64_t sp = 0; sp < splits[seq]; ++sp) m = std::max(m, first_part[sp * part_size + g * (head_dim + 2) + head_dim]);
+          for (int64_t sp = 0; sp < splits[seq]; ++sp)
+            m = std::max(m, head_parts[sp * task_part + g * (head_dim + 2) + head_dim]);
           std::fill(acc.begin(), acc.end(), 0.f);
           float total = 0.f;
           for (int64_t sp = 0; sp < splits[seq]; ++sp) {
-            const float* part = first_part + sp * part_size + g * (head_dim + 2);
+            const float* part = head_parts + sp * task_part + g * (head_dim + 2);
             const float weight = std::exp(part[head_dim] - m);
             total += part[head_dim + 1] * weight;
             axpy_f32(weight, part, acc.data(), head_dim);

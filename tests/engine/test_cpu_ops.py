@@ -99,13 +99,14 @@ def paged_case(dtype, heads, kv_heads, block_size, seq_lens, seed, head_dim=64):
 @pytest.mark.parametrize("heads, kv_heads", [(9, 3), (4, 4), (8, 1)])
 @pytest.mark.parametrize("block_size", [16, 32])
 @pytest.mark.parametrize("lengths", ["short", "long"])
-def test_paged_decode_attention_matches_dense_sdpa(ops, dtype, heads, kv_heads, block_size, lengths):
+@pytest.mark.parametrize("head_dim", [64, 128, 48])  # the two compiled-in head sizes, and the generic path
+def test_paged_decode_attention_matches_dense_sdpa(ops, dtype, heads, kv_heads, block_size, lengths, head_dim):
     """Short contexts (one split each) and long ones (several 256-position splits, merged)."""
     seq_lens = ([1, block_size, block_size + 3, 3 * block_size - 1] if lengths == "short"
                 else [300, 1, 777, 256, 257, 513])
     query, cache, block_tables, lens, keys, values = paged_case(dtype, heads, kv_heads, block_size, seq_lens,
-                                                                heads * 100 + block_size)
-    out = ops.paged_decode_attention(query, cache, block_tables, lens, 64**-0.5)
+                                                                heads * 100 + block_size, head_dim)
+    out = ops.paged_decode_attention(query, cache, block_tables, lens, head_dim**-0.5)
     for i in range(len(seq_lens)):
         expected = F.scaled_dot_product_attention(
             query[i].float().unsqueeze(1),  # [heads, 1, head_dim]
