@@ -249,21 +249,44 @@ void attend_split(const float* qf, const scalar_t* cache, const int64_t* table, 
 // attend_split for a head_dim known at compile time, over every KV head of the sequence: one
 // (sequence, split) walks its blocks once, and each block's rows (all KV heads, keys and
 // values: [block_size, 2 * kv_heads, D], contiguous) are read in order while they are hot.
-// Per KV head, the block's K rows are widened to float32 into ``rows`` ([block_size, D]),
-// dotted with each query head of the group (fixed-length loops: the compiler keeps a row in
-// registers and reduces once per dot), then the same for V with the group's accumulators
-// held in registers across the block. parts: [kv_heads * group, D + 2] as in attend_split.
+// Rows are handled as D / 16 vectors of 16 floats (GCC vector extensions: one AVX-512
+// register, or two AVX2 ones): per KV head, the block's K rows are widened to float32 into
+// ``rows`` ([block_size, D]), each query head of the group is dotted with them (one
+// horizontal sum per dot), then the same for V with a query head's accumulator held in
+// registers across the block. parts: [kv_heads * group, D + 2] as in attend_split.
+typedef float vec16 __attribute__((vector_size(64)));
+typedef float vec8 __attribute__((vector_size(32)));
+typedef float vec4 __attribute__((vector_size(16)));
+
+inline vec16 load16(const float* p) {
+  vec16 v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+inline float sum16(vec16 v) {
+  const vec8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+                 __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  const vec4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+  return (b[0] + b[2]) + (b[1] + b[3]);
+}
+
 template <typename scalar_t, int D>
 void attend_split_fixed(const float* qf, const scalar_t* cache, const int64_t* table, int64_t block_size,
                         int64_t kv_heads, int64_t group, int64_t first, int64_t last, float* parts, float* scratch) {
+  constexpr int NV = D / 16;              // vectors per row
   float* rows = scratch;                  // [block_size, D]
-  float* s = scratch + block_size * D;    // [group, block_size]
+  float* s = scratch + block_size * D;    // [block_size]: one query head's scores in a block
   const int64_t slot_stride = 2 * kv_heads * D, stride = D + 2, num_q = kv_heads * group;
   for (int64_t g = 0; g < num_q; ++g) {
     std::fill(parts + g * stride, parts + g * stride + D, 0.f);
     parts[g * stride + D] = -INFINITY;
     parts[g * stride + D + 1] = 0.f;
   }
+  // [group, block_size]: exp(s - m) of the block, per query head (its own allocation: measured
+  // faster than a slice of scratch, which the compiler must assume may alias the rows)
+  std::vector<float> probs_buffer(group * block_size);
+  float* probs = probs_buffer.data();
   for (int64_t start = first; start < last;) {
     const int64_t block = table[start / block_size];
     const int64_t offset = start % block_size;
@@ -278,48 +301,42 @@ void attend_split_fixed(const float* qf, const scalar_t* cache, const int64_t* t
     for (int64_t h = 0; h < kv_heads; ++h) {
       for (int64_t i = 0; i < count; ++i) load_f32(base + i * slot_stride + h * D, rows + i * D, D);
       for (int64_t g = 0; g < group; ++g) {
-        const float* q = qf + (h * group + g) * D;
+        vec16 q[NV];
+        for (int c = 0; c < NV; ++c) q[c] = load16(qf + (h * group + g) * D + c * 16);
         for (int64_t i = 0; i < count; ++i) {
-          const float* k = rows + i * D;
-          float total = 0.f;
-#pragma omp simd reduction(+ : total)
-          for (int d = 0; d < D; ++d) total += q[d] * k[d];
-          s[g * block_size + i] = total;
+          vec16 total = q[0] * load16(rows + i * D);
+          for (int c = 1; c < NV; ++c) total += q[c] * load16(rows + i * D + c * 16);
+          s[i] = sum16(total);
         }
-        float* row = s + g * block_size;
         float* acc = parts + (h * group + g) * stride;
-        float block_max = row[0];
-        for (int64_t i = 1; i < count; ++i) block_max = std::max(block_max, row[i]);
+        float block_max = s[0];
+        for (int64_t i = 1; i < count; ++i) block_max = std::max(block_max, s[i]);
         const float m_old = acc[D], m_new = std::max(m_old, block_max);
         const float correction = std::exp(m_old - m_new);  // 0 on the first block (m_old = -inf)
+        float* p = probs + g * block_size;
         float total = 0.f;
 #pragma omp simd reduction(+ : total)
         for (int64_t i = 0; i < count; ++i) {
-          row[i] = exp_nonpositive(row[i] - m_new);
-          total += row[i];
+          p[i] = exp_nonpositive(s[i] - m_new);
+          total += p[i];
         }
         acc[D] = m_new;
         acc[D + 1] = acc[D + 1] * correction + total;
         if (correction != 1.f) {
-#pragma omp simd
           for (int d = 0; d < D; ++d) acc[d] *= correction;
         }
       }
       for (int64_t i = 0; i < count; ++i) load_f32(base + i * slot_stride + (kv_heads + h) * D, rows + i * D, D);
       for (int64_t g = 0; g < group; ++g) {
-        const float* p = s + g * block_size;
+        const float* p = probs + g * block_size;
         float* acc_out = parts + (h * group + g) * stride;
-        float acc[D];
-#pragma omp simd
-        for (int d = 0; d < D; ++d) acc[d] = acc_out[d];
+        vec16 acc[NV];
+        for (int c = 0; c < NV; ++c) acc[c] = load16(acc_out + c * 16);
         for (int64_t i = 0; i < count; ++i) {
-          const float* v = rows + i * D;
           const float weight = p[i];
-#pragma omp simd
-          for (int d = 0; d < D; ++d) acc[d] += weight * v[d];
+          for (int c = 0; c < NV; ++c) acc[c] += weight * load16(rows + i * D + c * 16);
         }
-#pragma omp simd
-        for (int d = 0; d < D; ++d) acc_out[d] = acc[d];
+        std::memcpy(acc_out, acc, sizeof(acc));
       }
     }
     start += count;
@@ -371,8 +388,9 @@ torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor kv_cache
     const int64_t q_tok = query.stride(0), q_head = query.stride(1);
     const int64_t slot_stride = 2 * kv_heads * head_dim;
     at::parallel_for(0, first_task[n], 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> qf(heads * head_dim), scratch(block_size * std::max<int64_t>(head_dim, group) + head_dim +
-                                                       group * block_size);
+      // attend_split: a row and [group, block_size] scores; attend_split_fixed: [block_size, head_dim]
+      // rows and [block_size] scores
+      std::vector<float> qf(heads * head_dim), scratch(block_size * (head_dim + 1 + group) + head_dim);
       int64_t seq = std::upper_bound(first_task.begin(), first_task.end(), begin) - first_task.begin() - 1;
       for (int64_t task = begin; task < end; ++task) {
         while (task >= first_task[seq + 1]) ++seq;
