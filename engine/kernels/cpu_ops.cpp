@@ -246,14 +246,8 @@ void attend_split(const float* qf, const scalar_t* cache, const int64_t* table, 
   }
 }
 
-// attend_split for a head_dim known at compile time, over every KV head of the sequence: one
-// (sequence, split) walks its blocks once, and each block's rows (all KV heads, keys and
-// values: [block_size, 2 * kv_heads, D], contiguous) are read in order while they are hot.
-// Rows are handled as D / 16 vectors of 16 floats (GCC vector extensions: one AVX-512
-// register, or two AVX2 ones): per KV head, the block's K rows are widened to float32 into
-// ``rows`` ([block_size, D]), each query head of the group is dotted with them (one
-// horizontal sum per dot), then the same for V with a query head's accumulator held in
-// registers across the block. parts: [kv_heads * group, D + 2] as in attend_split.
+// Rows as vectors of 16 floats (GCC vector extensions: one AVX-512 register, or two AVX2 ones),
+// for the fixed-size decode attention below.
 typedef float vec16 __attribute__((vector_size(64)));
 typedef float vec8 __attribute__((vector_size(32)));
 typedef float vec4 __attribute__((vector_size(16)));
@@ -271,22 +265,117 @@ inline float sum16(vec16 v) {
   return (b[0] + b[2]) + (b[1] + b[3]);
 }
 
-template <typename scalar_t, int D>
+// exp_nonpositive on 16 lanes at once (the same polynomial and steps): t <= 0, so floor(t) is
+// the truncation less one where they differ.
+inline vec16 exp16_nonpositive(vec16 x) {
+  typedef int32_t i32x16 __attribute__((vector_size(64)));
+  const vec16 t = (x < -87.f ? -87.f : x) * 1.4426950408889634f;
+  const i32x16 truncated = __builtin_convertvector(t, i32x16);
+  const i32x16 whole = truncated + (__builtin_convertvector(truncated, vec16) > t);  // a true lane is -1
+  const vec16 f = t - __builtin_convertvector(whole, vec16);
+  vec16 p = f * 2.168343198718503e-4f + 1.2437946861609817e-3f;
+  p = p * f + 9.679985232651234e-3f;
+  p = p * f + 5.548214912414551e-2f;
+  p = p * f + 2.4023030698299408e-1f;
+  p = p * f + 6.931468844413757e-1f;
+  p = p * f + 1.f;
+  const i32x16 bits = (whole + 127) << 23;
+  vec16 scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
+// 16 values of a row as float32, in registers (bfloat16 widens by a shift of its bits).
+template <typename scalar_t>
+inline vec16 row16(const scalar_t* p) {
+  vec16 v;
+  for (int i = 0; i < 16; ++i) v[i] = static_cast<float>(p[i]);
+  return v;
+}
+template <>
+inline vec16 row16<float>(const float* p) { return load16(p); }
+template <>
+inline vec16 row16<c10::BFloat16>(const c10::BFloat16* p) {
+  typedef uint16_t u16x16 __attribute__((vector_size(32)));
+  typedef uint32_t u32x16 __attribute__((vector_size(64)));
+  u16x16 bits;
+  std::memcpy(&bits, p, sizeof(bits));
+  const u32x16 wide = __builtin_convertvector(bits, u32x16) << 16;
+  vec16 v;
+  std::memcpy(&v, &wide, sizeof(v));
+  return v;
+}
+
+// The group's G query heads of one KV head against one block's rows [i, i + count): each K
+// and V row is widened once, in registers, and used for all G heads; the G accumulators stay
+// in registers across the block. acc: G x (D + 2) as [acc..., m, l]; q: G x D, scaled.
+template <typename scalar_t, int D, int G>
+inline void attend_block(const float* q_heads, const scalar_t* base, int64_t slot_stride, int64_t k_offset,
+                         int64_t v_offset, int64_t count, float* parts, float* s) {
+  constexpr int NV = D / 16;
+  vec16 q[G][NV];
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < NV; ++c) q[g][c] = load16(q_heads + g * D + c * 16);
+  for (int64_t i = 0; i < count; ++i) {  // scores: s[g * 32 + i]
+    const scalar_t* k = base + i * slot_stride + k_offset;
+    vec16 kr[NV];
+    for (int c = 0; c < NV; ++c) kr[c] = row16<scalar_t>(k + c * 16);
+    for (int g = 0; g < G; ++g) {
+      vec16 total = q[g][0] * kr[0];
+      for (int c = 1; c < NV; ++c) total += q[g][c] * kr[c];
+      s[g * 32 + i] = sum16(total);
+    }
+  }
+  for (int g = 0; g < G; ++g) {  // online softmax: rescale once per block
+    float* row = s + g * 32;
+    float* acc = parts + g * (D + 2);
+    float block_max = row[0];
+    for (int64_t i = 1; i < count; ++i) block_max = std::max(block_max, row[i]);
+    const float m_old = acc[D], m_new = std::max(m_old, block_max);
+    const float correction = std::exp(m_old - m_new);  // 0 on the first block (m_old = -inf)
+    vec16 sums = {};
+    for (int64_t c = 0; c < count; c += 16) {  // lanes at and past count are zeroed
+      vec16 lane;
+      for (int j = 0; j < 16; ++j) lane[j] = static_cast<float>(c + j);
+      const vec16 e = exp16_nonpositive(load16(row + c) - m_new);
+      const vec16 kept = lane < static_cast<float>(count) ? e : 0.f;
+      std::memcpy(row + c, &kept, sizeof(kept));
+      sums += kept;
+    }
+    acc[D] = m_new;
+    acc[D + 1] = acc[D + 1] * correction + sum16(sums);
+    if (correction != 1.f)
+      for (int d = 0; d < D; ++d) acc[d] *= correction;
+  }
+  vec16 acc[G][NV];
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < NV; ++c) acc[g][c] = load16(parts + g * (D + 2) + c * 16);
+  for (int64_t i = 0; i < count; ++i) {
+    const scalar_t* v = base + i * slot_stride + v_offset;
+    vec16 vr[NV];
+    for (int c = 0; c < NV; ++c) vr[c] = row16<scalar_t>(v + c * 16);
+    for (int g = 0; g < G; ++g) {
+      const float weight = s[g * 32 + i];
+      for (int c = 0; c < NV; ++c) acc[g][c] += weight * vr[c];
+    }
+  }
+  for (int g = 0; g < G; ++g) std::memcpy(parts + g * (D + 2), acc[g], sizeof(acc[g]));
+}
+
+// attend_split for head_dim D and group size G known at compile time, over every KV head of
+// the sequence: one (sequence, split) walks its blocks once, and each block's rows (all KV
+// heads, keys and values: [block_size, 2 * kv_heads, D], contiguous) are read in order while
+// they are hot. parts: [kv_heads * G, D + 2] as in attend_split. Blocks of at most 32 slots.
+template <typename scalar_t, int D, int G>
 void attend_split_fixed(const float* qf, const scalar_t* cache, const int64_t* table, int64_t block_size,
-                        int64_t kv_heads, int64_t group, int64_t first, int64_t last, float* parts, float* scratch) {
-  constexpr int NV = D / 16;              // vectors per row
-  float* rows = scratch;                  // [block_size, D]
-  float* s = scratch + block_size * D;    // [block_size]: one query head's scores in a block
-  const int64_t slot_stride = 2 * kv_heads * D, stride = D + 2, num_q = kv_heads * group;
-  for (int64_t g = 0; g < num_q; ++g) {
+                        int64_t kv_heads, int64_t first, int64_t last, float* parts) {
+  const int64_t slot_stride = 2 * kv_heads * D, stride = D + 2;
+  alignas(64) float s[G * 32];  // one block's scores, then probabilities, per query head
+  for (int64_t g = 0; g < kv_heads * G; ++g) {
     std::fill(parts + g * stride, parts + g * stride + D, 0.f);
     parts[g * stride + D] = -INFINITY;
     parts[g * stride + D + 1] = 0.f;
   }
-  // [group, block_size]: exp(s - m) of the block, per query head (its own allocation: measured
-  // faster than a slice of scratch, which the compiler must assume may alias the rows)
-  std::vector<float> probs_buffer(group * block_size);
-  float* probs = probs_buffer.data();
   for (int64_t start = first; start < last;) {
     const int64_t block = table[start / block_size];
     const int64_t offset = start % block_size;
@@ -298,48 +387,27 @@ void attend_split_fixed(const float* qf, const scalar_t* cache, const int64_t* t
       const int64_t bytes = std::min(block_size, last - start - count) * slot_stride * sizeof(scalar_t);
       for (int64_t byte = 0; byte < bytes; byte += 64) __builtin_prefetch(next + byte);
     }
-    for (int64_t h = 0; h < kv_heads; ++h) {
-      for (int64_t i = 0; i < count; ++i) load_f32(base + i * slot_stride + h * D, rows + i * D, D);
-      for (int64_t g = 0; g < group; ++g) {
-        vec16 q[NV];
-        for (int c = 0; c < NV; ++c) q[c] = load16(qf + (h * group + g) * D + c * 16);
-        for (int64_t i = 0; i < count; ++i) {
-          vec16 total = q[0] * load16(rows + i * D);
-          for (int c = 1; c < NV; ++c) total += q[c] * load16(rows + i * D + c * 16);
-          s[i] = sum16(total);
-        }
-        float* acc = parts + (h * group + g) * stride;
-        float block_max = s[0];
-        for (int64_t i = 1; i < count; ++i) block_max = std::max(block_max, s[i]);
-        const float m_old = acc[D], m_new = std::max(m_old, block_max);
-        const float correction = std::exp(m_old - m_new);  // 0 on the first block (m_old = -inf)
-        float* p = probs + g * block_size;
-        float total = 0.f;
-#pragma omp simd reduction(+ : total)
-        for (int64_t i = 0; i < count; ++i) {
-          p[i] = exp_nonpositive(s[i] - m_new);
-          total += p[i];
-        }
-        acc[D] = m_new;
-        acc[D + 1] = acc[D + 1] * correction + total;
-        if (correction != 1.f) {
-          for (int d = 0; d < D; ++d) acc[d] *= correction;
-        }
-      }
-      for (int64_t i = 0; i < count; ++i) load_f32(base + i * slot_stride + (kv_heads + h) * D, rows + i * D, D);
-      for (int64_t g = 0; g < group; ++g) {
-        const float* p = probs + g * block_size;
-        float* acc_out = parts + (h * group + g) * stride;
-        vec16 acc[NV];
-        for (int c = 0; c < NV; ++c) acc[c] = load16(acc_out + c * 16);
-        for (int64_t i = 0; i < count; ++i) {
-          const float weight = p[i];
-          for (int c = 0; c < NV; ++c) acc[c] += weight * load16(rows + i * D + c * 16);
-        }
-        std::memcpy(acc_out, acc, sizeof(acc));
-      }
-    }
+    for (int64_t h = 0; h < kv_heads; ++h)
+      attend_block<scalar_t, D, G>(qf + h * G * D, base, slot_stride, h * D, (kv_heads + h) * D, count,
+                                   parts + h * G * stride, s);
     start += count;
+  }
+}
+
+// The compiled-in (head_dim, group) pairs; false: use attend_split.
+template <typename scalar_t, int D>
+bool attend_fixed_group(int64_t group, const float* qf, const scalar_t* cache, const int64_t* table,
+                        int64_t block_size, int64_t kv_heads, int64_t first, int64_t last, float* parts) {
+  switch (group) {
+#define TANDEM_GROUP(G)                                                                                \
+  case G:                                                                                              \
+    attend_split_fixed<scalar_t, D, G>(qf, cache, table, block_size, kv_heads, first, last, parts);    \
+    return true;
+    TANDEM_GROUP(1) TANDEM_GROUP(2) TANDEM_GROUP(3) TANDEM_GROUP(4) TANDEM_GROUP(5) TANDEM_GROUP(6)
+    TANDEM_GROUP(7) TANDEM_GROUP(8)
+#undef TANDEM_GROUP
+    default:
+      return false;
   }
 }
 
@@ -388,9 +456,7 @@ torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor kv_cache
     const int64_t q_tok = query.stride(0), q_head = query.stride(1);
     const int64_t slot_stride = 2 * kv_heads * head_dim;
     at::parallel_for(0, first_task[n], 1, [&](int64_t begin, int64_t end) {
-      // attend_split: a row and [group, block_size] scores; attend_split_fixed: [block_size, head_dim]
-      // rows and [block_size] scores
-      std::vector<float> qf(heads * head_dim), scratch(block_size * (head_dim + 1 + group) + head_dim);
+      std::vector<float> qf(heads * head_dim), scratch(head_dim + group * block_size);  // attend_split's
       int64_t seq = std::upper_bound(first_task.begin(), first_task.end(), begin) - first_task.begin() - 1;
       for (int64_t task = begin; task < end; ++task) {
         while (task >= first_task[seq + 1]) ++seq;
@@ -402,13 +468,12 @@ torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor kv_cache
         const int64_t first = split * kSplitPositions, last = std::min(lens[seq], first + kSplitPositions);
         const int64_t* table = tables + seq * max_blocks;
         float* task_parts = parts.data() + task * task_part;
-        if (head_dim == 64) {
-          attend_split_fixed<scalar_t, 64>(qf.data(), cache, table, block_size, kv_heads, group, first, last,
-                                           task_parts, scratch.data());
-        } else if (head_dim == 128) {
-          attend_split_fixed<scalar_t, 128>(qf.data(), cache, table, block_size, kv_heads, group, first, last,
-                                            task_parts, scratch.data());
-        } else {
+        const bool fixed = block_size <= 32 &&
+            ((head_dim == 64 && attend_fixed_group<scalar_t, 64>(group, qf.data(), cache, table, block_size,
+                                                                 kv_heads, first, last, task_parts)) ||
+             (head_dim == 128 && attend_fixed_group<scalar_t, 128>(group, qf.data(), cache, table, block_size,
+                                                                   kv_heads, first, last, task_parts)));
+        if (!fixed) {
           for (int64_t kvh = 0; kvh < kv_heads; ++kvh)
             attend_split<scalar_t>(qf.data() + kvh * group * head_dim, cache, table, block_size, slot_stride,
                                    kvh * head_dim, (kv_heads + kvh) * head_dim, group, head_dim, first, last,
