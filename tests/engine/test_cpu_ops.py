@@ -21,6 +21,18 @@ def ops():
     return module
 
 
+@pytest.fixture(scope="module")
+def avx2_ops(tmp_path_factory):
+    """The same source built for AVX2 only (-march=haswell; every x86 machine this project
+    runs on has it): CI machines differ, and an AVX-512 machine would otherwise never run the
+    code its vector extensions compile to on AVX2."""
+    from torch.utils.cpp_extension import load
+
+    return load(name="tandem_cpu_ops_avx2", sources=[str(cpu_ops._SOURCE)],
+                extra_cflags=["-O3", "-march=haswell", "-fopenmp"],
+                build_directory=str(tmp_path_factory.mktemp("avx2")), verbose=False)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", [1, 5, 33])
 def test_add_rms_norm(ops, dtype, rows):
@@ -114,6 +126,18 @@ def test_paged_decode_attention_matches_dense_sdpa(ops, dtype, heads, kv_heads, 
             values[i].float().transpose(0, 1),
             enable_gqa=True,
         ).squeeze(1)
+        torch.testing.assert_close(out[i].float(), expected, **TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(9, 3, 64), (8, 1, 128), (4, 4, 48)])
+def test_paged_decode_attention_built_for_avx2_matches_dense_sdpa(avx2_ops, dtype, heads, kv_heads, head_dim):
+    seq_lens = [300, 1, 777, 19]
+    query, cache, block_tables, lens, keys, values = paged_case(dtype, heads, kv_heads, 16, seq_lens, 11, head_dim)
+    out = avx2_ops.paged_decode_attention(query, cache, block_tables, lens, head_dim**-0.5)
+    for i in range(len(seq_lens)):
+        expected = F.scaled_dot_product_attention(query[i].float().unsqueeze(1), keys[i].float().transpose(0, 1),
+                                                  values[i].float().transpose(0, 1), enable_gqa=True).squeeze(1)
         torch.testing.assert_close(out[i].float(), expected, **TOLERANCE[dtype])
 
 
