@@ -154,7 +154,7 @@ def _step_ms(value: str) -> float | None:
     if value.strip().lower() in ("off", "none", "0"):
         return None
     number = float(value)
-    if not number > 0 or number != number or number == float("inf"):
+    if not 0 < number < float("inf"):  # NaN fails too
         raise argparse.ArgumentTypeError(f"--max-step-ms must be a positive number of ms or 'off', got {value!r}")
     return number
 

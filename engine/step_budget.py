@@ -56,8 +56,9 @@ class StepShape:
 
 
 class StepBudget:
-    """Owned by the scheduler's caller (the engine core), asked by the scheduler once per
-    step, told after every step. Not thread-safe: the engine thread alone uses it."""
+    """Owned by the scheduler, which asks it once per step; the engine core tells it what each
+    executed step did (``observe``). Not thread-safe: the engine thread alone uses it (Stats
+    readers only copy the histogram)."""
 
     def __init__(self, config: StepBudgetConfig) -> None:
         self.config = config

@@ -112,9 +112,7 @@ class ClusterCollector:
 
     def _chunk_histogram(self, labels: list[str]) -> HistogramMetricFamily:
         """``tandem:prefill_chunk_tokens``: prompt tokens per step that computed some, per
-        worker (the chunk sizes the step budget chose; buckets CHUNK_TOKEN_BUCKETS)."""
-        from engine.step_budget import CHUNK_TOKEN_BUCKETS
-
+        worker (the chunk sizes its step budget chose, with the bucket bounds the worker sends)."""
         family = HistogramMetricFamily("tandem:prefill_chunk_tokens", "Prompt tokens computed per engine step "
                                        "(chunked prefill sizes, bounded by --max-step-ms)", labels=labels)
         for worker in self._pool.decode + self._pool.prefill:

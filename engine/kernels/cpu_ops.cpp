@@ -179,6 +179,15 @@ inline void axpy_f32(float a, const float* x, float* y, int64_t n) {
   for (int64_t i = 0; i < n; ++i) y[i] += a * x[i];
 }
 
+// Empty partial results [acc..., m, l] for num_heads query heads: acc 0, max -inf, sum 0.
+inline void init_partials(float* parts, int64_t num_heads, int64_t head_dim) {
+  for (int64_t g = 0; g < num_heads; ++g) {
+    std::fill(parts + g * (head_dim + 2), parts + g * (head_dim + 2) + head_dim, 0.f);
+    parts[g * (head_dim + 2) + head_dim] = -INFINITY;
+    parts[g * (head_dim + 2) + head_dim + 1] = 0.f;
+  }
+}
+
 // Positions per partial result. A sequence's context is cut into splits of this many
 // positions, each attended on its own (online softmax within it), then merged: long contexts
 // at small batches keep both cores busy. The cut depends only on the sequence's own length,
@@ -195,11 +204,7 @@ void attend_split(const float* qf, const scalar_t* cache, const int64_t* table, 
   float* kv = scratch;                           // [head_dim]: one K or V row as float32
   float* s = scratch + head_dim;                 // [group, block_size]: one block's scores
   const int64_t stride = head_dim + 2;
-  for (int64_t g = 0; g < group; ++g) {
-    std::fill(part + g * stride, part + g * stride + head_dim, 0.f);
-    part[g * stride + head_dim] = -INFINITY;
-    part[g * stride + head_dim + 1] = 0.f;
-  }
+  init_partials(part, group, head_dim);
   for (int64_t start = first; start < last;) {
     const int64_t block = table[start / block_size];
     const int64_t offset = start % block_size;
@@ -245,6 +250,9 @@ void attend_split(const float* qf, const scalar_t* cache, const int64_t* table, 
     start += count;
   }
 }
+
+// Largest block (slots) the fixed-size path takes: its score buffer is sized for it.
+constexpr int64_t kMaxFixedBlock = 32;
 
 // Rows as vectors of 16 floats (GCC vector extensions: one AVX-512 register, or two AVX2 ones),
 // for the fixed-size decode attention below.
@@ -316,18 +324,18 @@ inline void attend_block(const float* q_heads, const scalar_t* base, int64_t slo
   vec16 q[G][NV];
   for (int g = 0; g < G; ++g)
     for (int c = 0; c < NV; ++c) q[g][c] = load16(q_heads + g * D + c * 16);
-  for (int64_t i = 0; i < count; ++i) {  // scores: s[g * 32 + i]
+  for (int64_t i = 0; i < count; ++i) {  // scores: s[g * kMaxFixedBlock + i]
     const scalar_t* k = base + i * slot_stride + k_offset;
     vec16 kr[NV];
     for (int c = 0; c < NV; ++c) kr[c] = row16<scalar_t>(k + c * 16);
     for (int g = 0; g < G; ++g) {
       vec16 total = q[g][0] * kr[0];
       for (int c = 1; c < NV; ++c) total += q[g][c] * kr[c];
-      s[g * 32 + i] = sum16(total);
+      s[g * kMaxFixedBlock + i] = sum16(total);
     }
   }
   for (int g = 0; g < G; ++g) {  // online softmax: rescale once per block
-    float* row = s + g * 32;
+    float* row = s + g * kMaxFixedBlock;
     float* acc = parts + g * (D + 2);
     float block_max = row[0];
     for (int64_t i = 1; i < count; ++i) block_max = std::max(block_max, row[i]);
@@ -355,7 +363,7 @@ inline void attend_block(const float* q_heads, const scalar_t* base, int64_t slo
     vec16 vr[NV];
     for (int c = 0; c < NV; ++c) vr[c] = row16<scalar_t>(v + c * 16);
     for (int g = 0; g < G; ++g) {
-      const float weight = s[g * 32 + i];
+      const float weight = s[g * kMaxFixedBlock + i];
       for (int c = 0; c < NV; ++c) acc[g][c] += weight * vr[c];
     }
   }
@@ -370,12 +378,8 @@ template <typename scalar_t, int D, int G>
 void attend_split_fixed(const float* qf, const scalar_t* cache, const int64_t* table, int64_t block_size,
                         int64_t kv_heads, int64_t first, int64_t last, float* parts) {
   const int64_t slot_stride = 2 * kv_heads * D, stride = D + 2;
-  alignas(64) float s[G * 32];  // one block's scores, then probabilities, per query head
-  for (int64_t g = 0; g < kv_heads * G; ++g) {
-    std::fill(parts + g * stride, parts + g * stride + D, 0.f);
-    parts[g * stride + D] = -INFINITY;
-    parts[g * stride + D + 1] = 0.f;
-  }
+  alignas(64) float s[G * kMaxFixedBlock];  // one block's scores, then probabilities, per query head
+  init_partials(parts, kv_heads * G, D);
   for (int64_t start = first; start < last;) {
     const int64_t block = table[start / block_size];
     const int64_t offset = start % block_size;
@@ -417,8 +421,8 @@ bool attend_fixed_group(int64_t group, const float* qf, const scalar_t* cache, c
 // Reads only positions [0, seq_len) of each sequence, through its block table. Each task is
 // one (sequence, split of kSplitPositions) over every KV head: the K/V rows of a KV head are
 // read once for all the query heads of its group, converted to float32, and attended with an
-// online softmax (head_dim 64 and 128 through attend_split_fixed, others through
-// attend_split); the splits of a (sequence, KV head) are then merged in order.
+// online softmax (head_dim 64 or 128, group 1-8 and blocks of at most 32 slots through
+// attend_split_fixed, other shapes through attend_split); the splits of a (sequence, KV head) are then merged in order.
 torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor kv_cache, torch::Tensor block_tables,
                                      torch::Tensor seq_lens, double scale) {
   TORCH_CHECK(query.dim() == 3 && query.stride(2) == 1, "paged_decode_attention: query [n, heads, head_dim]");
@@ -468,7 +472,7 @@ torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor kv_cache
         const int64_t first = split * kSplitPositions, last = std::min(lens[seq], first + kSplitPositions);
         const int64_t* table = tables + seq * max_blocks;
         float* task_parts = parts.data() + task * task_part;
-        const bool fixed = block_size <= 32 &&
+        const bool fixed = block_size <= kMaxFixedBlock &&
             ((head_dim == 64 && attend_fixed_group<scalar_t, 64>(group, qf.data(), cache, table, block_size,
                                                                  kv_heads, first, last, task_parts)) ||
              (head_dim == 128 && attend_fixed_group<scalar_t, 128>(group, qf.data(), cache, table, block_size,
