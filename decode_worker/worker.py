@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from engine.engine_core import EngineCore, EngineCoreOutput
-from engine.engine_loop import EngineLoop
+from engine.engine_loop import EngineLoop, build_engine
 from engine.llm import EngineArgs
 from engine.remote_kv import KVFailurePolicy
 from kv_transfer.grpc_transport import KVTransferServicer
@@ -99,11 +99,11 @@ class _Stream:
 class DecodeWorker(pb_grpc.DecodeWorkerServicer):
     def __init__(self, config: DecodeWorkerConfig) -> None:
         self.config = config
-        self.core: EngineCore = config.engine.build().engine_core
-        self.core.warm_up()  # kernels compiled (on a GPU) before this worker says it is ready
         self.inbox = EngineInbox()
-        self.engine_loop = EngineLoop(self.core, before_step=lambda core: self.inbox.drain_into(core).outputs,
+        self.engine_loop = EngineLoop(lambda: build_engine(config.engine),
+                                      before_step=lambda core: self.inbox.drain_into(core).outputs,
                                       after_step=self._publish_events)
+        self.core: EngineCore = self.engine_loop.core
         self.publisher: PrefixEventPublisher | None = None
         self.tracing: Tracing | None = None
         self.inbox.on_put = self.engine_loop.wake

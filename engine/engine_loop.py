@@ -1,10 +1,18 @@
-"""EngineLoop: one EngineCore stepped on its own thread, for workers that serve it from
-other threads (gRPC handlers, transport receivers).
+"""EngineLoop: one EngineCore built and stepped on its own thread, for workers that serve it
+from other threads (gRPC handlers, transport receivers).
 
 The core is single-threaded. Other threads reach it in exactly two ways: ``call`` runs a
 function on the engine thread between two steps and returns a Future of its result, and the
 output listener a request was added with is called (on the engine thread) with each of its
 outputs. Listeners must only hand the output over (e.g. ``loop.call_soon_threadsafe``).
+
+The engine thread also builds the core (model load, weight packing, warm-up), so that it is
+the only thread of the process that runs OpenMP parallel regions. Each thread that starts one
+gets a team of OpenMP threads of its own, and once a process's OpenMP threads outnumber its
+CPUs, libgomp cuts the spin-wait of every team's barrier to about a hundred spins: its threads
+then sleep and wake at each of the step's few hundred parallel regions. A model loaded on the
+main thread and stepped on this one made oneDNN's bfloat16 matmul run at single-thread speed
+and the decode step 1.5-2x slower on 2 cores (docs/benchmarks.md, "The serving path").
 """
 
 from __future__ import annotations
@@ -16,6 +24,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 
 from engine.engine_core import EngineCore, EngineCoreOutput, ErrorScope
+from engine.llm import EngineArgs
 
 logger = logging.getLogger(__name__)
 
@@ -25,10 +34,21 @@ OutputListener = Callable[[EngineCoreOutput], None]
 BeforeStep = Callable[[EngineCore], list[EngineCoreOutput]]
 
 
+def build_engine(args: EngineArgs) -> EngineCore:
+    """A worker's core, warmed up: kernels compiled (on a GPU) before the worker says it is ready."""
+    core = args.build().engine_core
+    core.warm_up()
+    return core
+
+
 class EngineLoop:
-    def __init__(self, core: EngineCore, before_step: BeforeStep | None = None, idle_poll_s: float = 0.005,
-                 after_step: Callable[[EngineCore], None] | None = None):
-        self.core = core
+    """``EngineLoop(build)`` starts the engine thread, which calls ``build()`` for the core and
+    waits for ``start()``; the constructor returns once the core is built (``self.core``) and
+    raises what ``build`` raised, or RuntimeError after ``build_timeout_s``."""
+
+    def __init__(self, build: Callable[[], EngineCore], before_step: BeforeStep | None = None,
+                 idle_poll_s: float = 0.005, after_step: Callable[[EngineCore], None] | None = None,
+                 build_timeout_s: float = 1800.0):
         self._before_step = before_step
         self._after_step = after_step  # e.g. publish the step's prefix-cache events
         self._idle_poll_s = idle_poll_s  # how often an idle loop looks at remote-KV deadlines
@@ -37,10 +57,22 @@ class EngineLoop:
         self._wake = threading.Event()
         self._stopping = False
         self.error: BaseException | None = None  # what stopped the loop, if it died
-        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._built = threading.Event()
+        self._go = threading.Event()  # start() or stop() was called
+        self._build_error: BaseException | None = None
+        self.core: EngineCore | None = None
+        self._thread = threading.Thread(target=self._main, args=(build,), name="engine-loop", daemon=True)
+        self._thread.start()
+        if not self._built.wait(build_timeout_s):
+            self._stopping = True
+            self._go.set()
+            raise RuntimeError(f"the engine was not built within {build_timeout_s:.0f} s")
+        if self._build_error is not None:
+            raise self._build_error
 
     def start(self) -> None:
-        self._thread.start()
+        """Start stepping (the core is built already)."""
+        self._go.set()
 
     def wake(self) -> None:
         self._wake.set()
@@ -75,10 +107,23 @@ class EngineLoop:
 
     def stop(self, timeout_s: float = 10.0) -> None:
         self._stopping = True
+        self._go.set()
         self._wake.set()
         self._thread.join(timeout_s)
 
     # -- the engine thread --------------------------------------------------------------------
+    def _main(self, build: Callable[[], EngineCore]) -> None:
+        try:
+            self.core = build()
+        except BaseException as exc:  # the constructor raises it
+            self._build_error = exc
+            return
+        finally:
+            self._built.set()
+        while not self._go.wait(1.0):  # until start() or stop()
+            pass
+        self._run()
+
     def _run(self) -> None:
         try:
             while not self._stopping:

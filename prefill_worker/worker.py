@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import grpc
 
 from engine.engine_core import EngineCore, EngineCoreOutput
-from engine.engine_loop import EngineLoop
+from engine.engine_loop import EngineLoop, build_engine
 from engine.llm import EngineArgs
 from engine.remote_kv import KVExport, prefill_side_params
 from kv_transfer.prefix_events import (
@@ -64,9 +64,8 @@ class PrefillWorkerConfig:
 class PrefillWorker(pb_grpc.PrefillWorkerServicer):
     def __init__(self, config: PrefillWorkerConfig) -> None:
         self.config = config
-        self.core: EngineCore = config.engine.build().engine_core
-        self.core.warm_up()  # kernels compiled (on a GPU) before this worker says it is ready
-        self.engine_loop = EngineLoop(self.core, after_step=self._publish_events)
+        self.engine_loop = EngineLoop(lambda: build_engine(config.engine), after_step=self._publish_events)
+        self.core: EngineCore = self.engine_loop.core
         self.publisher: PrefixEventPublisher | None = None
         self.tracing: Tracing | None = None
         self.server = WorkerServer(config.server, lambda server: pb_grpc.add_PrefillWorkerServicer_to_server(self, server))

@@ -1,0 +1,102 @@
+"""EngineLoop builds its core on the engine thread and steps it there (engine/engine_loop.py
+says why: one OpenMP team per process); a failed or late build is an error, not a hang."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+import decode_worker.worker as decode_module
+import prefill_worker.worker as prefill_module
+from decode_worker.worker import DecodeWorker, DecodeWorkerConfig
+from engine.engine_loop import EngineLoop, build_engine
+from engine.llm import EngineArgs
+from engine.sampling_params import SamplingParams
+from kv_transfer.worker_rpc import ServerConfig
+from prefill_worker.worker import PrefillWorker, PrefillWorkerConfig
+from tests.workers import SECRET
+
+
+def tiny_args(model_dir) -> EngineArgs:
+    return EngineArgs(model=str(model_dir), dtype="float32", num_kv_blocks=64, max_model_len=256)
+
+
+def test_the_core_is_built_and_stepped_on_the_engine_thread(tiny_llama_dir):
+    threads = {}
+
+    def build():
+        threads["build"] = threading.current_thread()
+        return build_engine(tiny_args(tiny_llama_dir))
+
+    loop = EngineLoop(build)
+    assert threads["build"] is not threading.main_thread()
+    assert threads["build"].name == "engine-loop"
+    finished = threading.Event()
+    outputs = []
+
+    def add(core):
+        threads["call"] = threading.current_thread()
+        core.add_request(core.make_request("r", [1, 2, 3, 4], SamplingParams(max_tokens=5, ignore_eos=True)))
+        loop.listen("r", lambda output: (outputs.append(output), output.finish_reason and finished.set()))
+
+    loop.start()
+    try:
+        loop.call(add, loop.core).result(30)
+        assert finished.wait(60), "the request did not finish"
+    finally:
+        loop.stop()
+    assert threads["call"] is threads["build"]
+    assert sum(len(output.new_token_ids) for output in outputs) == 5
+    assert outputs[-1].finish_reason == "length"
+
+
+def test_a_failed_build_raises_its_error_and_leaves_no_thread():
+    def build():
+        raise ValueError("no such model")
+
+    before = {thread.name for thread in threading.enumerate()}
+    with pytest.raises(ValueError, match="no such model"):
+        EngineLoop(build)
+    assert "engine-loop" not in {thread.name for thread in threading.enumerate()} - before
+
+
+def test_a_build_past_its_deadline_raises_and_never_steps():
+    release = threading.Event()
+    built = threading.Event()
+
+    class Core:  # stepping it would fail the test: the loop must not start
+        def has_unfinished_requests(self):
+            raise AssertionError("a loop whose build timed out was stepped")
+
+    def build():
+        release.wait(30)
+        built.set()
+        return Core()
+
+    with pytest.raises(RuntimeError, match="not built within"):
+        EngineLoop(build, build_timeout_s=0.2)
+    release.set()
+    assert built.wait(10)
+
+
+@pytest.mark.parametrize("role", ["decode", "prefill"])
+def test_workers_build_their_core_on_their_engine_thread(role, tiny_llama_dir, monkeypatch):
+    module = decode_module if role == "decode" else prefill_module
+    built_on = []
+
+    def recording_build(args):
+        built_on.append(threading.current_thread().name)
+        return build_engine(args)
+
+    monkeypatch.setattr(module, "build_engine", recording_build)
+    server = ServerConfig("127.0.0.1", 0, SECRET)
+    if role == "decode":
+        worker = DecodeWorker(DecodeWorkerConfig(tiny_args(tiny_llama_dir), server))
+    else:
+        worker = PrefillWorker(PrefillWorkerConfig(tiny_args(tiny_llama_dir), server))
+    try:
+        assert built_on == ["engine-loop"]
+        assert worker.core is worker.engine_loop.core
+    finally:
+        worker.engine_loop.stop()
