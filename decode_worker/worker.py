@@ -85,24 +85,50 @@ class _Admission:
     trace_parent: object | None = None  # the router's request span (tracing on)
 
 
+class _Mailbox:
+    """Outputs from the engine thread to the aio loop with one wake-up per step, not one per
+    stream: ``post`` queues, ``flush`` (the engine loop's ``after_outputs``) hands the step's
+    whole batch over. Each wake-up is a GIL hand-off that the engine thread waits out before
+    its next step. Engine thread only, both."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._pending: list[tuple[asyncio.Queue, EngineCoreOutput]] = []
+
+    def post(self, queue: asyncio.Queue, output: EngineCoreOutput) -> None:
+        self._pending.append((queue, output))
+
+    def flush(self) -> None:
+        pending, self._pending = self._pending, []
+        if pending:
+            self._loop.call_soon_threadsafe(_deliver, pending)
+
+
+def _deliver(pending: list[tuple[asyncio.Queue, EngineCoreOutput]]) -> None:  # aio loop
+    for queue, output in pending:
+        queue.put_nowait(output)
+
+
 @dataclass(slots=True)
 class _Stream:
     """One Generate call's mailbox: the engine thread puts outputs, the handler awaits them."""
 
-    loop: asyncio.AbstractEventLoop
+    mailbox: _Mailbox
     outputs: asyncio.Queue = field(default_factory=asyncio.Queue)
 
     def put(self, output: EngineCoreOutput) -> None:  # engine thread
-        self.loop.call_soon_threadsafe(self.outputs.put_nowait, output)
+        self.mailbox.post(self.outputs, output)
 
 
 class DecodeWorker(pb_grpc.DecodeWorkerServicer):
     def __init__(self, config: DecodeWorkerConfig) -> None:
         self.config = config
         self.inbox = EngineInbox()
+        self.server = WorkerServer(config.server, self._register)
+        self._mailbox = _Mailbox(self.server.loop)
         self.engine_loop = EngineLoop(lambda: build_engine(config.engine),
                                       before_step=lambda core: self.inbox.drain_into(core).outputs,
-                                      after_step=self._publish_events)
+                                      after_step=self._publish_events, after_outputs=self._mailbox.flush)
         self.core: EngineCore = self.engine_loop.core
         self.publisher: PrefixEventPublisher | None = None
         self.tracing: Tracing | None = None
@@ -112,7 +138,6 @@ class DecodeWorker(pb_grpc.DecodeWorkerServicer):
         secret = config.server.cluster_secret
         self._kv_servicer = KVTransferServicer(self.inbox, secret, cache.dtype, self._token_shape)
         self._metadata = secret_metadata(secret)
-        self.server = WorkerServer(config.server, self._register)
         self._prefill_stubs: dict[str, pb_grpc.PrefillWorkerStub] = {}  # address -> stub (aio loop only)
         self._torch_receivers: dict[str, TorchDistKVReceiver] = {}  # prefill address -> live pair
 
@@ -150,7 +175,7 @@ class DecodeWorker(pb_grpc.DecodeWorkerServicer):
     async def Generate(self, request: pb.GenerateRequest, context):
         received = time.monotonic()
         request_id = request.request_id or f"gen-{uuid.uuid4().hex}"
-        stream = _Stream(asyncio.get_running_loop())
+        stream = _Stream(self._mailbox)
         try:
             check_request_id(request_id)
             params = params_from_proto(request.params)

@@ -4,7 +4,9 @@ from other threads (gRPC handlers, transport receivers).
 The core is single-threaded. Other threads reach it in exactly two ways: ``call`` runs a
 function on the engine thread between two steps and returns a Future of its result, and the
 output listener a request was added with is called (on the engine thread) with each of its
-outputs. Listeners must only hand the output over (e.g. ``loop.call_soon_threadsafe``).
+outputs. Listeners must only hand the output over; ``after_outputs`` runs once after each
+batch of them (a step's, an abort's), so that a listener can queue and the hook hand the whole
+batch to another thread with one wake-up.
 
 The engine thread also builds the core (model load, weight packing, warm-up), so that it is
 the only thread of the process that runs OpenMP parallel regions. Each thread that starts one
@@ -48,9 +50,10 @@ class EngineLoop:
 
     def __init__(self, build: Callable[[], EngineCore], before_step: BeforeStep | None = None,
                  idle_poll_s: float = 0.005, after_step: Callable[[EngineCore], None] | None = None,
-                 build_timeout_s: float = 1800.0):
+                 after_outputs: Callable[[], None] | None = None, build_timeout_s: float = 1800.0):
         self._before_step = before_step
         self._after_step = after_step  # e.g. publish the step's prefix-cache events
+        self._after_outputs = after_outputs  # e.g. wake the thread the listeners queued for
         self._idle_poll_s = idle_poll_s  # how often an idle loop looks at remote-KV deadlines
         self._calls: queue.SimpleQueue = queue.SimpleQueue()
         self._listeners: dict[str, OutputListener] = {}
@@ -177,6 +180,8 @@ class EngineLoop:
                 self._listeners.pop(output.request_id, None)
             if listener is not None:
                 listener(output)
+        if outputs and self._after_outputs is not None:
+            self._after_outputs()
 
     def _fail_everything(self, exc: BaseException) -> None:
         for request_id, listener in list(self._listeners.items()):
@@ -184,6 +189,8 @@ class EngineLoop:
             listener(EngineCoreOutput(request_id, [], [], [], "", "error", None, 0, error=f"engine failed: {exc}",
                                       error_scope=ErrorScope.ENGINE))
         self._listeners.clear()
+        if self._after_outputs is not None:
+            self._after_outputs()
         while True:
             try:
                 future, _, _ = self._calls.get_nowait()

@@ -28,10 +28,15 @@ def test_bench_measures_both_sides(result):
     assert decode.roofline_tok_s < result.bandwidth_gb_s * 1e9 / weight_bytes
     assert decode.roofline_tok_s > 0.9 * result.bandwidth_gb_s * 1e9 / weight_bytes
     assert result.auto_dtype in ("float32", "bfloat16")
+    # a 1024-row float32 matmul on 2 cores: well above a decode step's, well below 1 TFLOP/s
+    assert 1 < result.gemm_peak_gflops["float32"] < 1000
 
 
 def test_table_and_json(result):
     table = render_table(result)
     assert "| float32 | decode batch 2 |" in table and "memory read bandwidth" in table
+    assert f"float32 {result.gemm_peak_gflops['float32']:.0f} GFLOP/s" in table
+    # without --vllm-python the vLLM columns are empty, not zero
+    assert all(row.vllm_tok_s is None for row in result.rows) and "vLLM:" not in table
     data = json.loads(to_json(result))
     assert data["rows"][0]["ratio"] == pytest.approx(result.rows[0].ratio)

@@ -100,3 +100,32 @@ def test_workers_build_their_core_on_their_engine_thread(role, tiny_llama_dir, m
         assert worker.core is worker.engine_loop.core
     finally:
         worker.engine_loop.stop()
+
+
+def test_after_outputs_runs_once_per_batch_after_its_listeners(tiny_llama_dir):
+    events = []
+    finished = threading.Event()
+    loop = EngineLoop(lambda: build_engine(tiny_args(tiny_llama_dir)), after_outputs=lambda: events.append("flush"))
+
+    def listener(output):
+        events.append(output.request_id)
+        if output.finish_reason and output.request_id == "r2":
+            finished.set()
+
+    def add(core):
+        for index in range(3):  # decoded together: one batch of three outputs per step
+            core.add_request(core.make_request(f"r{index}", [1, 2, 3, 4 + index],
+                                               SamplingParams(max_tokens=6, ignore_eos=True)))
+            loop.listen(f"r{index}", listener)
+
+    loop.start()
+    try:
+        loop.call(add, loop.core).result(30)
+        assert finished.wait(60)
+    finally:
+        loop.stop()
+    assert events[-1] == "flush" and events[0] != "flush"
+    batches = "|".join(events).split("|flush")
+    batches = [b.strip("|") for b in batches if b.strip("|")]
+    assert all(b for b in batches)  # never two flushes without an output between them
+    assert [sorted(b.split("|")) for b in batches] == [["r0", "r1", "r2"]] * 6

@@ -1,0 +1,106 @@
+"""`tandem bench served`: the engine side on the tiny model, the served side against the
+scripted SSE server (known timings), and the table's arithmetic."""
+
+from __future__ import annotations
+
+import contextlib
+from collections import Counter
+
+import pytest
+
+from bench.served_bench import (
+    ServedBenchConfig,
+    ServedBenchResult,
+    ServedRow,
+    ServerSide,
+    TandemEngineSide,
+    make_prompts,
+    measure_interleaved,
+    render_served,
+    request_tpots,
+)
+from tests.bench.test_serve_bench import GAP_S, RECEIVED, scripted_server  # noqa: F401 (a fixture)
+
+
+def test_request_tpot_is_the_time_between_first_and_last_token_per_token():
+    first, last = {"a": 1.0, "b": 2.0, "c": 3.0}, {"a": 1.9, "b": 2.5, "c": 3.0}
+    assert request_tpots(first, last, Counter(a=10, b=6, c=1)) == pytest.approx([100.0, 100.0])  # c: one token
+
+
+def test_prompts_are_the_same_ids_for_every_side_and_round_specific():
+    cfg = ServedBenchConfig(model="m", streams=(1, 4), prompt_len=7, rounds=2)
+    sets = make_prompts(cfg, vocab=1000)
+    assert sets == make_prompts(cfg, vocab=1000)
+    assert [len(s) for s in sets] == [4, 4] and all(len(p) == 7 for s in sets for p in s)
+    assert sets[0] != sets[1]
+    assert all(100 <= t < 900 for s in sets for p in s for t in p)
+
+
+def test_engine_side_times_each_request(tiny_llama_dir):
+    cfg = ServedBenchConfig(model=str(tiny_llama_dir), dtype="float32", threads=1, streams=(1, 3), prompt_len=6,
+                            output_len=5, rounds=1)
+    side = TandemEngineSide(cfg)
+    try:
+        tpots = side.measure(make_prompts(cfg, vocab=1000)[0][:3], 5)
+    finally:
+        side.close()
+    assert len(tpots) == 3 and all(ms > 0 for ms in tpots)
+
+
+class _Launched:  # the scripted server, already running
+    process = None
+
+    def __init__(self, base_url):
+        self.base_url = base_url
+
+    def start(self):
+        return self.base_url
+
+    def stop(self):
+        pass
+
+
+def test_server_side_reads_the_streams_timing_and_sends_token_ids(scripted_server):  # noqa: F811
+    prompts = make_prompts(ServedBenchConfig(model="m", streams=(2,), prompt_len=5, rounds=1), vocab=1000)[0]
+    side = ServerSide("scripted", _Launched(scripted_server), "m", "scripted")
+    RECEIVED.clear()
+    tpots = side.measure(prompts, 4)
+    assert tpots == [pytest.approx(GAP_S * 1000, rel=0.25)] * 2
+    assert sorted(body["prompt"] for body in RECEIVED) == sorted(prompts)
+    assert all(body["max_tokens"] == 4 and body["ignore_eos"] for body in RECEIVED)
+
+
+class _Side:
+    def __init__(self, name, log, ms):
+        self.name, self.log, self.ms, self.paused = name, log, ms, False
+
+    def pause(self):
+        self.paused = True
+
+    def resume(self):
+        self.paused = False
+
+    def measure(self, prompts, max_tokens):
+        self.log.append((self.name, len(prompts), [s.name for s in SIDES if not s.paused]))
+        return [self.ms * len(prompts)] * len(prompts)
+
+
+SIDES: list = []
+
+
+def test_sides_interleave_and_only_the_measured_one_runs():
+    log = []
+    SIDES[:] = [_Side("a", log, 1.0), _Side("b", log, 2.0)]
+    cfg = ServedBenchConfig(model="m", streams=(1, 2), output_len=3, rounds=2)
+    cells = measure_interleaved(SIDES, cfg, make_prompts(cfg, vocab=1000), say=lambda line: None, settle_s=0)
+    assert [(name, n) for name, n, _ in log] == [("a", 1), ("b", 1), ("a", 2), ("b", 2)] * 2
+    assert all(running == [name] for name, _, running in log)
+    assert all(side.paused for side in SIDES)
+    assert cells == {"a": {1: 1.0, 2: 2.0}, "b": {1: 2.0, 2: 4.0}}
+
+
+def test_table_has_both_overheads_and_the_ratio_to_vllm():
+    cfg = ServedBenchConfig(model="m", streams=(8,), vllm_python="python")
+    result = ServedBenchResult(cfg, "test machine", [ServedRow(8, 50.0, 55.0, 40.0, 60.0)], {"tandem served": "x"})
+    row = render_served(result).splitlines()[3]
+    assert row == "| 8 | 50.0 | 55.0 | 1.10 | 40.0 | 60.0 | 1.50 | 0.92 |"
