@@ -71,8 +71,8 @@ def test_server_side_reads_the_streams_timing_and_sends_token_ids(scripted_serve
 
 
 class _Side:
-    def __init__(self, name, log, ms):
-        self.name, self.log, self.ms, self.paused = name, log, ms, False
+    def __init__(self, name, log, ms, everyone):
+        self.name, self.log, self.ms, self.paused, self.everyone = name, log, ms, False, everyone
 
     def pause(self):
         self.paused = True
@@ -81,21 +81,18 @@ class _Side:
         self.paused = False
 
     def measure(self, prompts, max_tokens):
-        self.log.append((self.name, len(prompts), [s.name for s in SIDES if not s.paused]))
+        self.log.append((self.name, len(prompts), [s.name for s in self.everyone if not s.paused]))
         return [self.ms * len(prompts)] * len(prompts)
 
 
-SIDES: list = []
-
-
 def test_sides_interleave_and_only_the_measured_one_runs():
-    log = []
-    SIDES[:] = [_Side("a", log, 1.0), _Side("b", log, 2.0)]
+    log, sides = [], []
+    sides += [_Side("a", log, 1.0, sides), _Side("b", log, 2.0, sides)]
     cfg = ServedBenchConfig(model="m", streams=(1, 2), output_len=3, rounds=2)
-    cells = measure_interleaved(SIDES, cfg, make_prompts(cfg, vocab=1000), say=lambda line: None, settle_s=0)
+    cells = measure_interleaved(sides, cfg, make_prompts(cfg, vocab=1000), say=lambda line: None, settle_s=0)
     assert [(name, n) for name, n, _ in log] == [("a", 1), ("b", 1), ("a", 2), ("b", 2)] * 2
     assert all(running == [name] for name, _, running in log)
-    assert all(side.paused for side in SIDES)
+    assert all(side.paused for side in sides)
     assert cells == {"a": {1: 1.0, 2: 2.0}, "b": {1: 2.0, 2: 4.0}}
 
 
