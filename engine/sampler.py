@@ -113,10 +113,15 @@ class Sampler:
     def _sample(self, logits: torch.Tensor, inputs: list[SamplingInput]) -> list[SampledToken]:
         wants_logprobs = [i.params.logprobs is not None for i in inputs]
         raw_logprobs = logits.log_softmax(dim=-1) if any(wants_logprobs) else None
-        processed = logits.clone()
+        # edited in place below only where a row blocks stop tokens or has penalties: the copy
+        # of [n, vocab] float32 logits is otherwise skipped
+        edited = any(len(i.output_token_ids) < i.params.min_tokens or i.params.has_penalties for i in inputs)
+        processed = logits.clone() if edited else logits
         _block_stop_tokens(processed, inputs)
         _apply_penalties(processed, inputs)
-        chosen = processed.argmax(dim=-1)  # [n] greedy choice; random rows are replaced below
+        # [n] greedy choice; random rows are replaced below. max's indices are argmax's (the
+        # first maximum; NaN wins) at a third of its time on the CPU for [64, 49152] logits
+        chosen = processed.max(dim=-1).indices
         random_rows = [row for row, item in enumerate(inputs) if not item.params.is_greedy]
         if random_rows:
             subset = [inputs[row] for row in random_rows]

@@ -30,6 +30,133 @@ void check_rows(const torch::Tensor& t, const char* name) {
   TORCH_CHECK(t.dim() == 2 && t.stride(1) == 1, name, ": expected [rows, features] with unit stride");
 }
 
+// Loads n values as float32. bfloat16 widens by a shift of its bits (no rounding involved),
+// written on integers so that the compiler vectorises it (vpmovzxwd + vpslld on AVX2 and
+// AVX-512 alike); float16 and float32 go through their own conversions.
+template <typename T>
+inline void load_f32(const T* src, float* dst, int64_t n) {  // float16, float64
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+inline void load_f32(const float* src, float* dst, int64_t n) { std::memcpy(dst, src, n * sizeof(float)); }
+inline void load_f32(const c10::BFloat16* src, float* dst, int64_t n) {
+  const uint16_t* bits = reinterpret_cast<const uint16_t*>(src);
+  uint32_t* out = reinterpret_cast<uint32_t*>(dst);
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) out[i] = static_cast<uint32_t>(bits[i]) << 16;
+}
+
+// exp(x) for x <= 0 (softmax after subtracting the max), written so that a loop over it
+// vectorises: 2^(x log2 e) split into an integer part (the exponent bits) and a fraction in
+// [0, 1) (a degree-6 polynomial, fitted here to a relative error of 1.1e-7, float32's own
+// rounding). Inputs below -87 give 0-ish denormals' neighbour 2^-126 * p, harmless after
+// the max has been subtracted.
+inline float exp_nonpositive(float x) {
+  const float t = std::max(x, -87.f) * 1.4426950408889634f;
+  const float whole = std::floor(t);
+  const float f = t - whole;
+  float p = 2.168343198718503e-4f;
+  p = p * f + 1.2437946861609817e-3f;
+  p = p * f + 9.679985232651234e-3f;
+  p = p * f + 5.548214912414551e-2f;
+  p = p * f + 2.4023030698299408e-1f;
+  p = p * f + 6.931468844413757e-1f;
+  p = p * f + 1.f;
+  const uint32_t bits = static_cast<uint32_t>(static_cast<int32_t>(whole) + 127) << 23;
+  return p * std::bit_cast<float>(bits);
+}
+
+// Rows as vectors of 16 floats (GCC vector extensions: one AVX-512 register, or two AVX2 ones),
+// for the fixed-size decode attention and the elementwise ops.
+typedef float vec16 __attribute__((vector_size(64)));
+typedef float vec8 __attribute__((vector_size(32)));
+typedef float vec4 __attribute__((vector_size(16)));
+
+inline vec16 load16(const float* p) {
+  vec16 v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+inline float sum16(vec16 v) {
+  const vec8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+                 __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  const vec4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+  return (b[0] + b[2]) + (b[1] + b[3]);
+}
+
+// exp_nonpositive on 16 lanes at once (the same polynomial and steps): t <= 0, so floor(t) is
+// the truncation less one where they differ.
+inline vec16 exp16_nonpositive(vec16 x) {
+  typedef int32_t i32x16 __attribute__((vector_size(64)));
+  const vec16 t = (x < -87.f ? -87.f : x) * 1.4426950408889634f;
+  const i32x16 truncated = __builtin_convertvector(t, i32x16);
+  const i32x16 whole = truncated + (__builtin_convertvector(truncated, vec16) > t);  // a true lane is -1
+  const vec16 f = t - __builtin_convertvector(whole, vec16);
+  vec16 p = f * 2.168343198718503e-4f + 1.2437946861609817e-3f;
+  p = p * f + 9.679985232651234e-3f;
+  p = p * f + 5.548214912414551e-2f;
+  p = p * f + 2.4023030698299408e-1f;
+  p = p * f + 6.931468844413757e-1f;
+  p = p * f + 1.f;
+  const i32x16 bits = (whole + 127) << 23;
+  vec16 scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
+// Stores n float32 values as T, rounded to nearest even as static_cast<T> rounds; for
+// bfloat16 written on integers (c10's rounding: NaN becomes 0x7FC0) so that it vectorises.
+template <typename T>
+inline void store_f32(const float* src, T* dst, int64_t n) {  // float16, float64
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<T>(src[i]);
+}
+inline void store_f32(const float* src, float* dst, int64_t n) { std::memcpy(dst, src, n * sizeof(float)); }
+inline void store_f32(const float* src, c10::BFloat16* dst, int64_t n) {
+  const uint32_t* bits = reinterpret_cast<const uint32_t*>(src);
+  uint16_t* out = reinterpret_cast<uint16_t*>(dst);
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) {
+    const uint32_t b = bits[i];
+    const uint16_t rounded = static_cast<uint16_t>((b + 0x7FFFu + ((b >> 16) & 1u)) >> 16);
+    out[i] = (b & 0x7FFFFFFFu) > 0x7F800000u ? static_cast<uint16_t>(0x7FC0) : rounded;
+  }
+}
+
+// y += x
+inline void add_f32(const float* x, float* y, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) y[i] += x[i];
+}
+
+// y = y * a * w
+inline void scale_mul_f32(float a, const float* w, float* y, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) y[i] = y[i] * a * w[i];
+}
+
+// g = silu(g) * u. silu(g) = g / (1 + e^-g) = g e^g / (1 + e^g): with e = exp(-|g|) <= 1
+// either form needs only exp_nonpositive, so the loop vectorises.
+// Sixteen lanes at a time in vector registers (the plain loop does not vectorise), the tail
+// with the same steps one by one.
+inline void silu_mul_f32(const float* u, float* g, int64_t n) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const vec16 x = load16(g + i);
+    const vec16 e = exp16_nonpositive(x < 0.f ? x : -x);
+    const vec16 y = x * (x >= 0.f ? 1.f : e) / (1.f + e) * load16(u + i);
+    std::memcpy(g + i, &y, sizeof(y));
+  }
+  for (; i < n; ++i) {
+    const float e = exp_nonpositive(-std::fabs(g[i]));
+    g[i] = g[i] * (g[i] >= 0.f ? 1.f : e) / (1.f + e) * u[i];
+  }
+}
+
+// Elementwise ops work through float32 buffers of this many values: in L1 beside their inputs.
+constexpr int64_t kChunk = 512;
+
 }  // namespace
 
 // residual += delta (rounded to the model dtype, as an eager add would), then
@@ -54,24 +181,21 @@ torch::Tensor add_rms_norm_(torch::Tensor residual, c10::optional<torch::Tensor>
     const int64_t res_stride = residual.stride(0);
     const int64_t add_stride = delta.has_value() ? delta->stride(0) : 0;
     at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
-      std::vector<float> buf(hidden);
+      std::vector<float> buf(hidden), scratch(hidden), weights(hidden);
+      load_f32(w, weights.data(), hidden);
       for (int64_t r = begin; r < end; ++r) {
         scalar_t* res_row = res + r * res_stride;
-        for (int64_t i = 0; i < hidden; ++i) {
-          float v = static_cast<float>(res_row[i]);
-          if (add != nullptr) {
-            scalar_t rounded = static_cast<scalar_t>(v + static_cast<float>(add[r * add_stride + i]));
-            res_row[i] = rounded;
-            v = static_cast<float>(rounded);
-          }
-          buf[i] = v;
+        load_f32(res_row, buf.data(), hidden);
+        if (add != nullptr) {
+          load_f32(add + r * add_stride, scratch.data(), hidden);
+          add_f32(scratch.data(), buf.data(), hidden);
+          store_f32(buf.data(), res_row, hidden);  // rounded, and the norm reads it rounded
+          load_f32(res_row, buf.data(), hidden);
         }
         const float sum_sq = dot_f32(buf.data(), buf.data(), hidden);
         const float inv = 1.f / std::sqrt(sum_sq / static_cast<float>(hidden) + static_cast<float>(eps));
-        scalar_t* out_row = o + r * hidden;
-        for (int64_t i = 0; i < hidden; ++i) {
-          out_row[i] = static_cast<scalar_t>(buf[i] * inv * static_cast<float>(w[i]));
-        }
+        scale_mul_f32(inv, weights.data(), buf.data(), hidden);
+        store_f32(buf.data(), o + r * hidden, hidden);
       }
     });
   });
@@ -88,13 +212,15 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
     const scalar_t* in = gate_up.data_ptr<scalar_t>();
     scalar_t* o = out.data_ptr<scalar_t>();
     const int64_t stride = gate_up.stride(0);
-    at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
+      float g[kChunk], u[kChunk];
       for (int64_t r = begin; r < end; ++r) {
-        const scalar_t* g = in + r * stride;
-        const scalar_t* u = g + inter;
-        for (int64_t i = 0; i < inter; ++i) {
-          const float gv = static_cast<float>(g[i]);
-          o[r * inter + i] = static_cast<scalar_t>(gv / (1.f + std::exp(-gv)) * static_cast<float>(u[i]));
+        for (int64_t i0 = 0; i0 < inter; i0 += kChunk) {
+          const int64_t n = std::min(kChunk, inter - i0);
+          load_f32(in + r * stride + i0, g, n);
+          load_f32(in + r * stride + inter + i0, u, n);
+          silu_mul_f32(u, g, n);
+          store_f32(g, o + r * inter + i0, n);
         }
       }
     });
@@ -136,42 +262,6 @@ void rope_(torch::Tensor x, torch::Tensor positions, torch::Tensor cos, torch::T
       }
     });
   });
-}
-
-// Loads n values as float32. bfloat16 widens by a shift of its bits (no rounding involved),
-// written on integers so that the compiler vectorises it (vpmovzxwd + vpslld on AVX2 and
-// AVX-512 alike); float16 and float32 go through their own conversions.
-template <typename T>
-inline void load_f32(const T* src, float* dst, int64_t n) {  // float16, float64
-#pragma omp simd
-  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
-}
-inline void load_f32(const float* src, float* dst, int64_t n) { std::memcpy(dst, src, n * sizeof(float)); }
-inline void load_f32(const c10::BFloat16* src, float* dst, int64_t n) {
-  const uint16_t* bits = reinterpret_cast<const uint16_t*>(src);
-  uint32_t* out = reinterpret_cast<uint32_t*>(dst);
-#pragma omp simd
-  for (int64_t i = 0; i < n; ++i) out[i] = static_cast<uint32_t>(bits[i]) << 16;
-}
-
-// exp(x) for x <= 0 (softmax after subtracting the max), written so that a loop over it
-// vectorises: 2^(x log2 e) split into an integer part (the exponent bits) and a fraction in
-// [0, 1) (a degree-6 polynomial, fitted here to a relative error of 1.1e-7, float32's own
-// rounding). Inputs below -87 give 0-ish denormals' neighbour 2^-126 * p, harmless after
-// the max has been subtracted.
-inline float exp_nonpositive(float x) {
-  const float t = std::max(x, -87.f) * 1.4426950408889634f;
-  const float whole = std::floor(t);
-  const float f = t - whole;
-  float p = 2.168343198718503e-4f;
-  p = p * f + 1.2437946861609817e-3f;
-  p = p * f + 9.679985232651234e-3f;
-  p = p * f + 5.548214912414551e-2f;
-  p = p * f + 2.4023030698299408e-1f;
-  p = p * f + 6.931468844413757e-1f;
-  p = p * f + 1.f;
-  const uint32_t bits = static_cast<uint32_t>(static_cast<int32_t>(whole) + 127) << 23;
-  return p * std::bit_cast<float>(bits);
 }
 
 inline void axpy_f32(float a, const float* x, float* y, int64_t n) {
@@ -253,45 +343,6 @@ void attend_split(const float* qf, const scalar_t* cache, const int64_t* table, 
 
 // Largest block (slots) the fixed-size path takes: its score buffer is sized for it.
 constexpr int64_t kMaxFixedBlock = 32;
-
-// Rows as vectors of 16 floats (GCC vector extensions: one AVX-512 register, or two AVX2 ones),
-// for the fixed-size decode attention below.
-typedef float vec16 __attribute__((vector_size(64)));
-typedef float vec8 __attribute__((vector_size(32)));
-typedef float vec4 __attribute__((vector_size(16)));
-
-inline vec16 load16(const float* p) {
-  vec16 v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-
-inline float sum16(vec16 v) {
-  const vec8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
-                 __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
-  const vec4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
-  return (b[0] + b[2]) + (b[1] + b[3]);
-}
-
-// exp_nonpositive on 16 lanes at once (the same polynomial and steps): t <= 0, so floor(t) is
-// the truncation less one where they differ.
-inline vec16 exp16_nonpositive(vec16 x) {
-  typedef int32_t i32x16 __attribute__((vector_size(64)));
-  const vec16 t = (x < -87.f ? -87.f : x) * 1.4426950408889634f;
-  const i32x16 truncated = __builtin_convertvector(t, i32x16);
-  const i32x16 whole = truncated + (__builtin_convertvector(truncated, vec16) > t);  // a true lane is -1
-  const vec16 f = t - __builtin_convertvector(whole, vec16);
-  vec16 p = f * 2.168343198718503e-4f + 1.2437946861609817e-3f;
-  p = p * f + 9.679985232651234e-3f;
-  p = p * f + 5.548214912414551e-2f;
-  p = p * f + 2.4023030698299408e-1f;
-  p = p * f + 6.931468844413757e-1f;
-  p = p * f + 1.f;
-  const i32x16 bits = (whole + 127) << 23;
-  vec16 scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return p * scale;
-}
 
 // 16 values of a row as float32, in registers (bfloat16 widens by a shift of its bits).
 template <typename scalar_t>

@@ -33,9 +33,11 @@ def avx2_ops(tmp_path_factory):
                 build_directory=str(tmp_path_factory.mktemp("avx2")), verbose=False)
 
 
+@pytest.mark.parametrize("build", ["ops", "avx2_ops"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", [1, 5, 33])
-def test_add_rms_norm(ops, dtype, rows):
+def test_add_rms_norm(request, build, dtype, rows):
+    ops = request.getfixturevalue(build)
     g = torch.Generator().manual_seed(rows)
     residual = torch.randn(rows, 576, generator=g).to(dtype)
     delta = torch.randn(rows, 576, generator=g).to(dtype)
@@ -44,7 +46,7 @@ def test_add_rms_norm(ops, dtype, rows):
     expected = F.rms_norm(expected_residual.float(), (576,), weight.float(), 1e-5)
     got_residual = residual.clone()
     got = ops.add_rms_norm_(got_residual, delta, weight, 1e-5)
-    torch.testing.assert_close(got_residual, expected_residual)
+    assert torch.equal(got_residual, expected_residual)  # rounded as torch rounds, bit for bit
     torch.testing.assert_close(got.float(), expected, **TOLERANCE[dtype])
     untouched = residual.clone()
     torch.testing.assert_close(ops.add_rms_norm_(untouched, None, weight, 1e-5).float(),
@@ -52,12 +54,35 @@ def test_add_rms_norm(ops, dtype, rows):
     assert torch.equal(untouched, residual)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_silu_mul(ops, dtype):
-    gate_up = torch.randn(7, 2 * 1536).to(dtype)
-    expected = F.silu(gate_up[:, :1536].float()) * gate_up[:, 1536:].float()
-    torch.testing.assert_close(ops.silu_mul(gate_up).float(), expected, **TOLERANCE[dtype])
+def test_add_rms_norm_rounds_ties_and_nan_as_torch(ops):
+    """The residual's rounding to bfloat16 (written on integers in the kernel): ties to even,
+    either side of a power of two, infinities, and NaN (c10 stores 0x7FC0)."""
+    ulp = 2.0**-8  # half a bfloat16 ulp at 1.0: exact ties
+    base = torch.tensor([1.0, 1.0 + 2 * ulp, -1.0, 255.0, 3e38, float("inf"), 1.0, 0.0])
+    delta = torch.tensor([ulp, ulp, -ulp, 0.5, 3e38, 1.0, float("nan"), -0.0])
+    residual = base.to(torch.bfloat16).view(1, -1).contiguous()
+    # float32 sum rounded once, exactly what an eager bfloat16 add computes
+    expected = (residual.float() + delta.to(torch.bfloat16).float().view(1, -1)).to(torch.bfloat16)
+    ops.add_rms_norm_(residual, delta.to(torch.bfloat16).view(1, -1).contiguous(),
+                      torch.ones(8, dtype=torch.bfloat16), 1e-5)
+    assert torch.equal(residual.view(torch.int16)[:, :6], expected.view(torch.int16)[:, :6])
+    assert residual[0, 6].isnan() and residual.view(torch.int16)[0, 6] == 0x7FC0
 
+
+@pytest.mark.parametrize("build", ["ops", "avx2_ops"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows, inter", [(7, 1536), (64, 1536), (3, 37)])  # 37: a tail past the 16-lane loop
+def test_silu_mul(request, build, dtype, rows, inter):
+    ops = request.getfixturevalue(build)
+    g = torch.Generator().manual_seed(rows * inter)
+    gate_up = torch.randn(rows, 2 * inter, generator=g)
+    gate_up[:, :inter] *= torch.linspace(0.1, 40.0, inter)  # gates far into both tails, past the exp's clamp
+    gate_up = gate_up.to(dtype)
+    expected = F.silu(gate_up[:, :inter].float()) * gate_up[:, inter:].float()
+    got = ops.silu_mul(gate_up)
+    torch.testing.assert_close(got.float(), expected, **TOLERANCE[dtype])
+    if dtype == torch.bfloat16:  # within one bfloat16 rounding of the float32 result
+        torch.testing.assert_close(got.float(), expected, rtol=2.0**-7, atol=1e-30)
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_rope_in_place_on_a_strided_view(ops, dtype):

@@ -41,6 +41,21 @@ def test_min_tokens_blocks_eos_and_stop_ids():
     assert token.token_id == 0
 
 
+def test_greedy_takes_the_first_maximum_and_leaves_the_callers_logits_alone():
+    logits = torch.zeros(3, VOCAB)
+    logits[:, [7, 3, 40]] = 2.0  # a three-way tie in every row: the lowest index wins, as argmax's
+    logits[2, 3] = float("nan")  # NaN wins, as argmax's
+    before = logits.clone()
+    plain = SamplingParams(temperature=0.0)
+    penalised = SamplingParams(temperature=0.0, presence_penalty=1.0)
+    tokens = Sampler()(logits, [item(plain), item(plain), item(plain)])
+    assert [t.token_id for t in tokens] == [3, 3, 3]
+    assert torch.equal(logits[:, :3], before[:, :3]) and torch.equal(logits.isnan(), before.isnan())
+    tokens = Sampler()(logits, [item(plain), item(penalised, output=[3]), item(plain)])
+    assert [t.token_id for t in tokens] == [3, 7, 3]  # the penalty moved row 1 only
+    assert torch.equal(logits.nan_to_num(), before.nan_to_num())  # penalties edit a copy
+
+
 def _empirical(params, logits, draws=3000):
     sampler = Sampler()
     counts = torch.zeros(VOCAB)
