@@ -19,6 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
 from cluster.autoscale import PoolSize, pool_size
+from cluster.placement import MODES, choose_mode, default_worker_threads
 from engine.remote_kv import KVFailurePolicy
 from engine.step_budget import DEFAULT_MAX_STEP_MS
 
@@ -71,7 +72,9 @@ def add_serve_parser(commands) -> None:
     p.add_argument("--grpc-port", type=int, default=_env("GRPC_PORT", 50051, int), help="the public gRPC API")
     p.add_argument("--grpc-tls-cert", default=_env("GRPC_TLS_CERT", None), help="PEM certificate chain (TLS on)")
     p.add_argument("--grpc-tls-key", default=_env("GRPC_TLS_KEY", None), help="PEM private key")
-    p.add_argument("--mode", choices=["disagg", "colocated"], default=_env("MODE", "disagg"))
+    p.add_argument("--mode", choices=MODES, default=_env("MODE", "auto"),
+                   help="disagg: prefill and decode pools; colocated: decode workers prefill too; auto (default): "
+                        "colocated where every worker would share one node's CPU cores (or one GPU), else disagg")
     p.add_argument("--prefill-workers", type=pool_size, default=_env("PREFILL_WORKERS", "1", pool_size),
                    help="N, or MIN:MAX to autoscale the pool between them (disagg mode)")
     p.add_argument("--decode-workers", type=pool_size, default=_env("DECODE_WORKERS", "1", pool_size),
@@ -86,8 +89,9 @@ def add_serve_parser(commands) -> None:
                    help="autoscaling: seconds a pool must stay quiet before one worker drains and stops")
     p.add_argument("--autoscale-interval", type=float, default=_env("AUTOSCALE_INTERVAL", 2.0, float),
                    help="autoscaling: seconds between looks at the queues")
-    p.add_argument("--worker-threads", type=int, default=_env("WORKER_THREADS", 1, int),
-                   help="torch threads each worker pins")
+    p.add_argument("--worker-threads", type=int, default=_env("WORKER_THREADS", None, int),
+                   help="torch threads each worker pins (default: colocated on one node, its CPUs shared by the "
+                        "decode workers; else 1)")
     p.add_argument("--prefill-gpus", type=_gpus, default=_env("PREFILL_GPUS", None, _gpus),
                    help="GPUs each prefill worker asks Ray for (Ray hides the GPUs from an actor that asks for "
                         "none); default: 1 where the Ray cluster has GPUs and --device is not cpu, else 0")
@@ -188,24 +192,16 @@ def run_serve(args: argparse.Namespace) -> int:
     chat_template = open(args.chat_template).read() if args.chat_template else None
     info = load_model_info(args.model, chat_template)
     max_model_len = resolve_max_model_len(info.arch, args.max_model_len)
-    engine = EngineArgs(model=str(info.model_dir), dtype=args.dtype, max_model_len=max_model_len,
-                        block_size=args.block_size, num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
-                        gpu_memory_utilization=args.gpu_memory_utilization,
-                        max_num_batched_tokens=args.max_num_batched_tokens, max_step_ms=args.max_step_ms,
-                        num_threads=args.worker_threads, chat_template=chat_template,
-                        attention_backend=args.attention_backend, device=args.device,
-                        served_model_name=args.served_model_name or args.model)
-    sizes = {"decode": args.decode_workers}
-    if args.mode == "disagg":
-        sizes["prefill"] = args.prefill_workers
     started_ray = not args.ray_address
     if started_ray:
         # Ray starts its workers at niceness 15 by default: below the router and every other
         # process, so a busy machine preempts decode steps first. Ours run at 0 (prefill
         # workers then lower themselves by --prefill-nice).
         os.environ.setdefault("RAY_worker_niceness", "0")
-        # room for each pool's largest size (a joined cluster's autoscaler adds nodes instead)
-        init_ray(num_cpus=os.cpu_count(), resources={"prefill": 1} | {role: size.max for role, size in sizes.items()},
+        # room for each pool's largest size, whichever mode auto picks (a joined cluster's
+        # autoscaler adds nodes instead)
+        init_ray(num_cpus=os.cpu_count(), resources={"prefill": args.prefill_workers.max,
+                                                     "decode": args.decode_workers.max},
                  include_dashboard=False, logging_level="warning")
     else:
         init_ray(address=args.ray_address, logging_level="warning")
@@ -218,6 +214,23 @@ def run_serve(args: argparse.Namespace) -> int:
         if started_ray:
             ray.shutdown()
         return 2
+    nodes = ray.nodes()
+    choice = choose_mode(args.mode, nodes, cluster_gpus, args.prefill_gpus, args.decode_gpus,
+                         args.prefill_workers.min, args.decode_workers.min)
+    args.mode = choice.mode
+    if args.worker_threads is None:
+        args.worker_threads = default_worker_threads(args.mode, nodes, args.decode_workers.min)
+    _say(f"mode: {args.mode} ({choice.reason}); {args.worker_threads} torch thread(s) per worker")
+    engine = EngineArgs(model=str(info.model_dir), dtype=args.dtype, max_model_len=max_model_len,
+                        block_size=args.block_size, num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
+                        gpu_memory_utilization=args.gpu_memory_utilization,
+                        max_num_batched_tokens=args.max_num_batched_tokens, max_step_ms=args.max_step_ms,
+                        num_threads=args.worker_threads, chat_template=chat_template,
+                        attention_backend=args.attention_backend, device=args.device,
+                        served_model_name=args.served_model_name or args.model)
+    sizes = {"decode": args.decode_workers}
+    if args.mode == "disagg":
+        sizes["prefill"] = args.prefill_workers
     _say("workers: " + ", ".join(
         f"{role} {'on ' + format(gpus, 'g') + ' GPU each' if gpus else 'on the CPU'}"
         for role, gpus in (("prefill", args.prefill_gpus), ("decode", args.decode_gpus)) if role in sizes))

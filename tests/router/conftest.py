@@ -74,15 +74,21 @@ class LiveServer:
 def start_server(model_dir, mode: str, *extra: str, api_key: str | None = None, ready_timeout_s: float = 300,
                  wait_for: str = "ready: http", env: dict | None = None) -> LiveServer:
     """Start `tandem serve` (float32, small pools) and return once its log shows ``wait_for``.
-    The child gets no TANDEM_* variable of ours but the cache directory, plus ``env``."""
-    args = ["--model", str(model_dir), "--dtype", "float32", "--mode", mode, "--max-model-len", "1024",
+    The child gets no TANDEM_* variable of ours but the cache directory, plus ``env``. Mode
+    ``auto`` passes no ``--mode`` (the default); ``LiveServer.mode`` is then what it chose."""
+    args = ["--model", str(model_dir), "--dtype", "float32", "--max-model-len", "1024",
             "--num-kv-blocks", "512", "--worker-threads", "1", "--served-model-name", "smollm2-135m-instruct", *extra]
+    if mode != "auto":
+        args += ["--mode", mode]
     if api_key:
         args += ["--api-key", api_key]
     child_env = {k: v for k, v in os.environ.items()
                  if not k.startswith(("TANDEM_", "RAY_ADDRESS")) or k == "TANDEM_CACHE_DIR"}
     launched = LaunchedServe(args, ready_timeout_s, wait_for, {**child_env, **(env or {})})
     launched.start()
+    if mode == "auto":
+        chosen = next(line for line in launched.log if "] mode: " in line)
+        mode = chosen.split("] mode: ", 1)[1].split()[0]
     return LiveServer(launched, mode, api_key)
 
 
@@ -106,7 +112,8 @@ def disagg_server(smollm_dir, otlp_receiver):
 
 @pytest.fixture(scope="session")
 def colocated_server(smollm_dir):
-    """Also the server with an API key and a small admission limit."""
-    server = start_server(smollm_dir, "colocated", "--max-queue", "3", api_key=API_KEY, env=fault_env())
+    """Also the server with an API key and a small admission limit; started without --mode,
+    as `make serve` is: one node's shared cores, so auto must pick colocated."""
+    server = start_server(smollm_dir, "auto", "--max-queue", "3", api_key=API_KEY, env=fault_env())
     yield server
     server.stop()

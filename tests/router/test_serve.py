@@ -373,3 +373,14 @@ def test_max_step_ms_flag_and_environment():
     assert parse("--max-step-ms", "off") is None
     with pytest.raises(SystemExit):
         parse("--max-step-ms", "-3")
+
+
+def test_auto_mode_on_one_node_is_colocated_and_says_why(colocated_server):
+    """colocated_server is started without --mode, as `make serve` is: on this one machine
+    every worker would share its cores, so auto must choose one colocated worker pool."""
+    assert colocated_server.mode == "colocated"
+    said = [line for line in colocated_server.log if "] mode: " in line]
+    assert len(said) == 1 and "auto: prefill and decode workers would share one node's CPU cores" in said[0]
+    assert any("workers: decode on the CPU" in line for line in colocated_server.log)
+    assert not any("prefill on" in line for line in colocated_server.log)  # no prefill pool
+    assert any("serving smollm2-135m-instruct (colocated)" in line for line in colocated_server.log)
