@@ -11,6 +11,14 @@ contender gets the same warm-up (a few requests of the workload's shape, unmeasu
 compiles on its first requests) and then the same arrivals. The TPOT SLO defaults to 3x the
 unloaded decode step of the first contender, measured first in the same run with three
 requests of the same workload sent one at a time.
+
+With ``--capacity`` each contender's capacity is searched instead of a fixed sweep: the
+highest Poisson rate at which at least 90% of the requests meet both SLOs, found by doubling
+(or halving) from ``--capacity-start`` until the answer changes, then bisecting geometrically
+until the highest passing and the lowest failing rate are at most 10% apart. Every rate has
+its own prompts and arrivals, drawn from the seed and the rate, so two contenders that try the
+same rate get the same requests at the same times. The search assumes attainment falls as
+the rate rises.
 """
 
 from __future__ import annotations
@@ -121,6 +129,72 @@ def unloaded_decode_step_ms(base_url: str, model: str, requests: list[BenchReque
 
 
 @dataclass
+class Capacity:
+    """What a capacity search found: ``rate`` passed (None: not even the lowest rate tried);
+    ``ceiling`` is the lowest rate that failed (None: none failed up to the search's bound);
+    ``tried`` is every (rate, share of requests within the SLOs) in the order run."""
+
+    rate: float | None
+    ceiling: float | None
+    tried: list[tuple[float, float]]
+
+
+def find_capacity(attainment: Callable[[float], float], start: float, target: float = 0.9, step: float = 1.1,
+                  min_rate: float = 0.01, max_rate: float = 64.0) -> Capacity:
+    """The highest rate whose ``attainment(rate)`` is at least ``target``, to within ``step``
+    (the ratio of the lowest failing to the highest passing rate). Doubles (or halves) from
+    ``start`` until the answer changes, then bisects in log space."""
+    if not 0 < min_rate <= start <= max_rate or step <= 1:
+        raise ValueError(f"need 0 < min_rate <= start <= max_rate and step > 1 (got {min_rate}, {start}, "
+                         f"{max_rate}, {step})")
+    tried: list[tuple[float, float]] = []
+
+    def passes(rate: float) -> bool:
+        share = attainment(rate)
+        tried.append((rate, share))
+        return share >= target
+
+    lo = hi = None
+    rate = start
+    if passes(rate):
+        lo = rate
+        while hi is None and rate < max_rate:
+            rate = min(rate * 2, max_rate)
+            if passes(rate):
+                lo = rate
+            else:
+                hi = rate
+    else:
+        hi = rate
+        while lo is None and rate > min_rate:
+            rate = max(rate / 2, min_rate)
+            if passes(rate):
+                lo = rate
+            else:
+                hi = rate
+    while lo is not None and hi is not None and hi / lo > step:
+        mid = (lo * hi) ** 0.5
+        if passes(mid):
+            lo = mid
+        else:
+            hi = mid
+    return Capacity(lo, hi, tried)
+
+
+@dataclass(frozen=True)
+class CapacitySearch:
+    """``--capacity``: where each contender's search starts and its bounds; ``workload(rate)``
+    gives the requests for a rate (the same for every contender)."""
+
+    workload: Callable[[float], list[BenchRequest]]
+    start: float = 0.25
+    target: float = 0.9
+    step: float = 1.1
+    min_rate: float = 0.01
+    max_rate: float = 64.0
+
+
+@dataclass
 class CompareResult:
     slo_tpot_ms: float
     slo_ttft_ms: float | None
@@ -129,17 +203,19 @@ class CompareResult:
     descriptions: dict[str, str]
     notes: dict[str, list[str]]
     command_lines: dict[str, str] = field(default_factory=dict)  # contender -> env and command as started
+    capacities: dict[str, Capacity] = field(default_factory=dict)  # with a capacity search
 
 
 def compare(contenders: list[Contender], workloads: list[list[BenchRequest]], rates: list[float], seed: int,
             slo_tpot_ms: float | None, slo_ttft_ms: float | None, calibration: list[BenchRequest],
-            say=print, warm_up: list[BenchRequest] = ()) -> CompareResult:
-    """Each contender in turn: start it, run ``workloads[i]`` at ``rates[i]`` for every i, stop
-    it. Each rate has its own prompts (else a later rate would hit the prefix cache the
-    earlier one filled), the same for every contender. The first contender also calibrates
-    the TPOT SLO when none is given."""
+            say=print, warm_up: list[BenchRequest] = (), capacity: CapacitySearch | None = None) -> CompareResult:
+    """Each contender in turn: start it, run ``workloads[i]`` at ``rates[i]`` for every i (or,
+    with ``capacity``, the rates its search picks), stop it. Each rate has its own prompts
+    (else a later rate would hit the prefix cache the earlier one filled), the same for every
+    contender. The first contender also calibrates the TPOT SLO when none is given."""
     runs: dict[str, dict[float, dict]] = {}
     notes: dict[str, list[str]] = {}
+    capacities: dict[str, Capacity] = {}
     unloaded = 0.0
     for index, contender in enumerate(contenders):
         say(f"== {contender.name}: {contender.description}")
@@ -154,16 +230,52 @@ def compare(contenders: list[Contender], workloads: list[list[BenchRequest]], ra
                 slo_tpot_ms = slo_tpot_ms or 3 * unloaded
                 say(f"unloaded decode step {unloaded:.1f} ms -> TPOT SLO {slo_tpot_ms:.1f} ms")
             runs[contender.name] = {}
-            for rate, requests in zip(rates, workloads, strict=True):
+
+            def measure(rate: float, requests: list[BenchRequest]) -> dict:
                 config = LoadConfig(base_url, contender.model, rate, seed=seed, ignore_eos=ignore_eos)
                 stages_before = stage_totals(base_url)
-                results, duration = asyncio.run(run_load(config, requests, progress=f"{contender.name} @ {rate}/s"))
+                results, duration = asyncio.run(run_load(config, requests, progress=f"{contender.name} @ {rate:.3g}/s"))
                 summary = summarize(results, duration, slo_ttft_ms, slo_tpot_ms)
                 summary["stages_ms"] = stage_means_ms(stages_before, stage_totals(base_url))
                 runs[contender.name][rate] = summary
                 say(_line(contender.name, rate, summary))
+                return summary
+
+            if capacity is None:
+                for rate, requests in zip(rates, workloads, strict=True):
+                    measure(rate, requests)
+            else:
+                found = find_capacity(lambda r: measure(r, capacity.workload(r))["slo_attainment"], capacity.start,
+                                      capacity.target, capacity.step, capacity.min_rate, capacity.max_rate)
+                capacities[contender.name] = found
+                say(f"{contender.name}: capacity {_capacity(found)}")
     return CompareResult(slo_tpot_ms, slo_ttft_ms, unloaded, runs, {c.name: c.description for c in contenders}, notes,
-                         {c.name: _command_line(c) for c in contenders})
+                         {c.name: _command_line(c) for c in contenders}, capacities)
+
+
+def _capacity(found: Capacity) -> str:
+    if found.rate is None:
+        return f"below {found.ceiling:.3g} req/s (the lowest rate tried)"
+    if found.ceiling is None:
+        return f"at least {found.rate:.3g} req/s (the search's bound)"
+    return f"{found.rate:.3g} req/s ({found.ceiling:.3g} failed)"
+
+
+def capacity_table(result: CompareResult, target: float = 0.9) -> str:
+    """Markdown: each contender's capacity and its figures at that rate."""
+    lines = [f"| server | capacity (req/s) | lowest failing rate | rates tried (share within SLOs) | SLOs met at "
+             "capacity | TTFT p90 (ms) | TPOT p90 (ms) | ITL p99 (ms) |", "|---|---|---|---|---|---|---|---|"]
+    for name, found in result.capacities.items():
+        tried = ", ".join(f"{rate:.3g} ({share:.0%})" for rate, share in found.tried)
+        s = result.runs[name].get(found.rate) if found.rate is not None else None
+        at = ("- | - | - | -" if s is None else
+              f"{round(s['slo_attainment'] * s['num_requests'])}/{s['num_requests']} | {_num(s['ttft_ms']['p90'])} | "
+              f"{_num(s['tpot_ms']['p90'])} | {_num(s['itl_ms']['p99'])}")
+        lines.append(f"| {name} | {'-' if found.rate is None else format(found.rate, '.3g')} | "
+                     f"{'-' if found.ceiling is None else format(found.ceiling, '.3g')} | {tried} | {at} |")
+    lines.append(f"\ncapacity: the highest Poisson rate at which at least {target:.0%} of the requests met both SLOs; "
+                 "the lowest failing rate is at most 10% above it")
+    return "\n".join(lines)
 
 
 def _command_line(contender: Contender) -> str:
@@ -262,6 +374,10 @@ def add_compare_args(compare, default_model: str) -> None:
     compare.add_argument("--num-prompts", type=int, default=48, help="requests per rate")
     compare.add_argument("--warm-up", type=int, default=4, help="unmeasured requests each contender gets first")
     compare.add_argument("--sweep", default="0.1,0.2,0.4", help="comma-separated request rates (Poisson)")
+    compare.add_argument("--capacity", action="store_true",
+                         help="search each contender's capacity (the highest rate at which 90%% of requests meet "
+                              "both SLOs, to within 10%%) instead of running --sweep")
+    compare.add_argument("--capacity-start", type=float, default=0.25, help="the rate each capacity search starts at")
     compare.add_argument("--seed", type=int, default=0)
     compare.add_argument("--slo-tpot-ms", type=float, default=None, help="default: 3x the unloaded decode step")
     compare.add_argument("--slo-ttft-ms", type=float, default=None)
@@ -290,8 +406,14 @@ def run_compare(args) -> int:
     contenders = default_contenders(args.model, hf_dir, args.dtype, budgets, names, args.vllm_python)
     calibration = make_dataset(args.dataset, 3, args.seed + 1000, spec)  # prompts of their own, same shape
     warm_up = make_dataset(args.dataset, args.warm_up, args.seed + 2000, spec)
+    search = None
+    if args.capacity:  # each rate's prompts from the seed and the rate: the same for every contender
+        rates, workloads = [], []
+        search = CapacitySearch(lambda rate: make_dataset(args.dataset, args.num_prompts,
+                                                          args.seed + round(rate * 10_000), spec),
+                                start=args.capacity_start)
     result = compare(contenders, workloads, rates, args.seed, args.slo_tpot_ms, args.slo_ttft_ms, calibration,
-                     warm_up=warm_up)
+                     warm_up=warm_up, capacity=search)
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     from bench.machine import describe
@@ -302,6 +424,8 @@ def run_compare(args) -> int:
           + ("" if args.slo_tpot_ms else f" (3x the unloaded decode step {result.unloaded_step_ms:.1f} ms)")
           + (f", TTFT SLO {result.slo_ttft_ms:.0f} ms" if result.slo_ttft_ms else ""))
     print(table(result, contenders[0].name))
+    if search is not None:
+        print("\n" + capacity_table(result, search.target))
     for name, notes in result.notes.items():
         for note in notes:
             print(f"note: {name} {note}")
@@ -315,10 +439,17 @@ def run_compare(args) -> int:
         "unloaded_step_ms": result.unloaded_step_ms, "descriptions": result.descriptions, "notes": result.notes,
         "command_lines": result.command_lines, "warm_up_requests": args.warm_up,
         "runs": {name: {str(rate): s for rate, s in by_rate.items()} for name, by_rate in result.runs.items()},
+        "capacities": {name: {"rate": c.rate, "lowest_failing_rate": c.ceiling, "tried": c.tried}
+                       for name, c in result.capacities.items()},
     }, indent=2))
     plots.sweep(result.runs, out / "sweep.png", f"{args.dataset}: goodput and p99 ITL against request rate")
-    top = max(rates)
-    plots.latency_cdfs({name: by_rate[top] for name, by_rate in result.runs.items()}, out / "latency_cdfs.png",
-                       f"{args.dataset} at {top:g} req/s")
+    if search is None:
+        top = max(rates)
+        plots.latency_cdfs({name: by_rate[top] for name, by_rate in result.runs.items()}, out / "latency_cdfs.png",
+                           f"{args.dataset} at {top:g} req/s")
+    else:  # each contender at its own capacity
+        at = {name: result.runs[name][c.rate] for name, c in result.capacities.items() if c.rate is not None}
+        if at:
+            plots.latency_cdfs(at, out / "latency_cdfs.png", f"{args.dataset}, each server at its capacity")
     print(f"results and plots in {out}/ (compare.json, sweep.png, latency_cdfs.png)")
     return 0

@@ -319,3 +319,62 @@ def test_contenders_are_chosen_by_name_and_vllm_runs_as_a_module(tmp_path):
         default_contenders("m", "/weights", "float32", [], ["vllm"])
     with pytest.raises(ValueError, match="unknown contenders"):
         default_contenders("m", "/weights", "float32", [], ["sglang"])
+
+
+@pytest.mark.parametrize("threshold", [0.013, 0.3, 0.91, 1.0, 7.7, 50.0])
+def test_capacity_search_brackets_the_threshold_within_ten_percent(threshold):
+    from bench.compare import find_capacity
+
+    found = find_capacity(lambda rate: 1.0 if rate <= threshold else 0.5, start=0.25)
+    assert found.rate <= threshold < found.ceiling and found.ceiling / found.rate <= 1.1
+    assert [rate for rate, _ in found.tried].count(found.rate) == 1  # no rate run twice
+    assert all((share >= 0.9) == (rate <= threshold) for rate, share in found.tried)
+
+
+def test_capacity_search_reports_its_bounds():
+    from bench.compare import find_capacity
+
+    never = find_capacity(lambda rate: 0.0, start=0.25, min_rate=0.05)
+    assert never.rate is None and never.ceiling == 0.05 and [r for r, _ in never.tried] == [0.25, 0.125, 0.0625, 0.05]
+    always = find_capacity(lambda rate: 1.0, start=1.0, max_rate=5.0)
+    assert always.rate == 5.0 and always.ceiling is None and [r for r, _ in always.tried] == [1.0, 2.0, 4.0, 5.0]
+    # 90% is enough; 89% is not
+    edge = find_capacity(lambda rate: 0.9 if rate <= 2.0 else 0.89, start=1.0)
+    assert 2.0 / 1.1 <= edge.rate <= 2.0 < edge.ceiling
+    with pytest.raises(ValueError):
+        find_capacity(lambda rate: 1.0, start=0.0)
+
+
+def test_compare_capacity_against_scripted_servers(scripted_server):
+    """The search wired through compare: a TPOT SLO above the script's 200 ms gap passes at
+    every rate up to the bound; one below it fails down to the lowest rate; the table says so."""
+    from contextlib import nullcontext
+
+    from bench.compare import CapacitySearch, Contender, capacity_table, compare
+
+    requests = [BenchRequest("hello", NUM_TOKENS, -1)] * 2
+    served = Contender("a", "scripted", [], lambda: nullcontext(scripted_server), "m")
+    asked = []
+
+    def workload(rate):
+        asked.append(rate)
+        return requests
+
+    search = CapacitySearch(workload, start=4.0, min_rate=2.0, max_rate=8.0)
+    easy = compare([served], [], [], seed=0, slo_tpot_ms=1000.0, slo_ttft_ms=None, calibration=requests,
+                   say=lambda line: None, capacity=search)
+    assert easy.capacities["a"].rate == 8.0 and easy.capacities["a"].ceiling is None and asked == [4.0, 8.0]
+    assert sorted(easy.runs["a"]) == [4.0, 8.0] and all(s["completed"] == 2 for s in easy.runs["a"].values())
+    hard = compare([served], [], [], seed=0, slo_tpot_ms=GAP_S * 1000 / 4, slo_ttft_ms=None, calibration=requests,
+                   say=lambda line: None, capacity=search)
+    assert hard.capacities["a"].rate is None and hard.capacities["a"].ceiling == 2.0
+    assert "| a | - | 2 | 4 (0%), 2 (0%) | - | - | - | - |" in capacity_table(hard)
+    assert "| a | 8 | - | 4 (100%), 8 (100%) | 2/2 |" in capacity_table(easy)
+
+
+def test_compare_capacity_flags():
+    from cluster.cli import build_parser
+
+    args = build_parser().parse_args(["bench", "compare", "--capacity", "--capacity-start", "0.5"])
+    assert args.capacity and args.capacity_start == 0.5
+    assert not build_parser().parse_args(["bench", "compare"]).capacity
