@@ -194,6 +194,20 @@ class CapacitySearch:
     max_rate: float = 64.0
 
 
+def capacity_workload(dataset: str, num_prompts: int, duration_s: float, seed: int,
+                      spec: RandomSpec) -> Callable[[float], list[BenchRequest]]:
+    """A capacity search's requests for a rate: at least ``num_prompts``, and with
+    ``duration_s`` enough for that many seconds of arrivals (a steady load, not a burst, past
+    saturation); drawn from the seed and the rate, the same for every contender."""
+    import math
+
+    def workload(rate: float) -> list[BenchRequest]:
+        count = max(num_prompts, math.ceil(duration_s * rate))
+        return make_dataset(dataset, count, seed + round(rate * 10_000), spec)
+
+    return workload
+
+
 @dataclass
 class CompareResult:
     slo_tpot_ms: float
@@ -378,6 +392,10 @@ def add_compare_args(compare, default_model: str) -> None:
                          help="search each contender's capacity (the highest rate at which 90%% of requests meet "
                               "both SLOs, to within 10%%) instead of running --sweep")
     compare.add_argument("--capacity-start", type=float, default=0.25, help="the rate each capacity search starts at")
+    compare.add_argument("--capacity-duration", type=float, default=0.0,
+                         help="capacity search: at least this many seconds of arrivals per rate (more requests than "
+                              "--num-prompts at high rates: a steady load rather than a burst; default 0: "
+                              "--num-prompts only)")
     compare.add_argument("--seed", type=int, default=0)
     compare.add_argument("--slo-tpot-ms", type=float, default=None, help="default: 3x the unloaded decode step")
     compare.add_argument("--slo-ttft-ms", type=float, default=None)
@@ -407,11 +425,10 @@ def run_compare(args) -> int:
     calibration = make_dataset(args.dataset, 3, args.seed + 1000, spec)  # prompts of their own, same shape
     warm_up = make_dataset(args.dataset, args.warm_up, args.seed + 2000, spec)
     search = None
-    if args.capacity:  # each rate's prompts from the seed and the rate: the same for every contender
+    if args.capacity:
         rates, workloads = [], []
-        search = CapacitySearch(lambda rate: make_dataset(args.dataset, args.num_prompts,
-                                                          args.seed + round(rate * 10_000), spec),
-                                start=args.capacity_start)
+        search = CapacitySearch(capacity_workload(args.dataset, args.num_prompts, args.capacity_duration, args.seed,
+                                                  spec), start=args.capacity_start)
     result = compare(contenders, workloads, rates, args.seed, args.slo_tpot_ms, args.slo_ttft_ms, calibration,
                      warm_up=warm_up, capacity=search)
     out = Path(args.out_dir)

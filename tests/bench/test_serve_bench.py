@@ -378,3 +378,14 @@ def test_compare_capacity_flags():
     args = build_parser().parse_args(["bench", "compare", "--capacity", "--capacity-start", "0.5"])
     assert args.capacity and args.capacity_start == 0.5
     assert not build_parser().parse_args(["bench", "compare"]).capacity
+
+
+def test_capacity_workload_grows_with_the_rate_and_is_the_same_for_everyone():
+    from bench.compare import capacity_workload
+    from bench.datasets import RandomSpec
+
+    spec = RandomSpec(20, 8, 0.0, 0)
+    burst, steady = capacity_workload("random", 4, 0.0, 0, spec), capacity_workload("random", 4, 3.0, 0, spec)
+    assert len(burst(10.0)) == 4 and len(steady(1.0)) == 4 and len(steady(10.0)) == 30
+    assert steady(2.5) == capacity_workload("random", 4, 3.0, 0, spec)(2.5)  # another contender, the same requests
+    assert burst(2.0) != burst(4.0)  # each rate its own prompts
