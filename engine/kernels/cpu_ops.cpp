@@ -11,7 +11,11 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -449,22 +453,243 @@ void attend_split_fixed(const float* qf, const scalar_t* cache, const int64_t* t
   }
 }
 
+// Calls f with the group size as a compile-time constant (std::integral_constant<int, G>) for
+// the compiled-in groups 1-8; false (f not called) for any other.
+template <typename F>
+bool with_group(int64_t group, F&& f) {
+  switch (group) {
+    case 1: f(std::integral_constant<int, 1>{}); return true;
+    case 2: f(std::integral_constant<int, 2>{}); return true;
+    case 3: f(std::integral_constant<int, 3>{}); return true;
+    case 4: f(std::integral_constant<int, 4>{}); return true;
+    case 5: f(std::integral_constant<int, 5>{}); return true;
+    case 6: f(std::integral_constant<int, 6>{}); return true;
+    case 7: f(std::integral_constant<int, 7>{}); return true;
+    case 8: f(std::integral_constant<int, 8>{}); return true;
+    default: return false;
+  }
+}
+
 // The compiled-in (head_dim, group) pairs; false: use attend_split.
 template <typename scalar_t, int D>
 bool attend_fixed_group(int64_t group, const float* qf, const scalar_t* cache, const int64_t* table,
                         int64_t block_size, int64_t kv_heads, int64_t first, int64_t last, float* parts) {
-  switch (group) {
-#define TANDEM_GROUP(G)                                                                                \
-  case G:                                                                                              \
-    attend_split_fixed<scalar_t, D, G>(qf, cache, table, block_size, kv_heads, first, last, parts);    \
-    return true;
-    TANDEM_GROUP(1) TANDEM_GROUP(2) TANDEM_GROUP(3) TANDEM_GROUP(4) TANDEM_GROUP(5) TANDEM_GROUP(6)
-    TANDEM_GROUP(7) TANDEM_GROUP(8)
-#undef TANDEM_GROUP
-    default:
-      return false;
+  return with_group(group, [&](auto g) {
+    attend_split_fixed<scalar_t, D, decltype(g)::value>(qf, cache, table, block_size, kv_heads, first, last, parts);
+  });
+}
+
+#if defined(__AVX512BF16__)
+// bfloat16 caches on CPUs with AVX512_BF16 (any block size): the scores are computed straight
+// from the bf16 query and key bits with vdpbf16ps (each product of two bf16 values is exact in
+// float32, and the sums are float32), without widening every key row; the scale is applied to
+// the sums. Measured on a 2-core Xeon with AMX, 64 sequences of 600 positions, (9, 3) heads of
+// 64, one layer's cache per call, 30 layers: 2.55 ms per layer through attend_split_fixed,
+// 2.08 ms here (0.96 ms with the cache hot in L2: what is left is waiting for memory).
+
+// Sixteen accumulators -> one vector whose lane i holds the sum of acc[i]'s sixteen lanes.
+inline __m512 transpose_sum16(const __m512* acc) {
+  __m512 halves[8], quarters[4], pairs[2];
+  for (int i = 0; i < 8; ++i)  // quarters [a, a, b, b]
+    halves[i] = _mm512_add_ps(_mm512_shuffle_f32x4(acc[2 * i], acc[2 * i + 1], 0x44),
+                              _mm512_shuffle_f32x4(acc[2 * i], acc[2 * i + 1], 0xEE));
+  for (int i = 0; i < 4; ++i)  // quarters [a, b, c, d]: keys 4i .. 4i + 3
+    quarters[i] = _mm512_add_ps(_mm512_shuffle_f32x4(halves[2 * i], halves[2 * i + 1], 0x88),
+                                _mm512_shuffle_f32x4(halves[2 * i], halves[2 * i + 1], 0xDD));
+  for (int i = 0; i < 2; ++i)  // in quarter k: keys [k, 4 + k, k, 4 + k] (+ 8i)
+    pairs[i] = _mm512_add_ps(_mm512_unpacklo_ps(quarters[2 * i], quarters[2 * i + 1]),
+                             _mm512_unpackhi_ps(quarters[2 * i], quarters[2 * i + 1]));
+  // lane 4k + p: key 4p + k
+  const __m512 mixed = _mm512_add_ps(_mm512_shuffle_ps(pairs[0], pairs[1], _MM_SHUFFLE(1, 0, 1, 0)),
+                                     _mm512_shuffle_ps(pairs[0], pairs[1], _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  return _mm512_permutexvar_ps(order, mixed);
+}
+
+// Scores of one query head (D bf16 values at q, unscaled) against up to 16 key rows.
+template <int D>
+inline __m512 scores16(const uint16_t* q, const uint16_t* keys, int64_t slot_stride, int64_t count, float scale) {
+  constexpr int NC = D / 32;  // 32 bf16 per register
+  __m512bh qv[NC];
+  for (int c = 0; c < NC; ++c) qv[c] = (__m512bh)_mm512_loadu_si512(q + c * 32);
+  __m512 acc[16];
+#pragma GCC unroll 16
+  for (int i = 0; i < 16; ++i) {
+    __m512 a = _mm512_setzero_ps();
+    if (i < count)
+      for (int c = 0; c < NC; ++c)
+        a = _mm512_dpbf16_ps(a, qv[c], (__m512bh)_mm512_loadu_si512(keys + i * slot_stride + c * 32));
+    acc[i] = a;
+  }
+  return _mm512_mul_ps(transpose_sum16(acc), _mm512_set1_ps(scale));
+}
+
+// Rows attended per softmax update in the bfloat16 path: up to this many 16-row tiles, from
+// consecutive positions (one tile per 16-slot block, two per 32-slot block).
+constexpr int kMaxTiles = 4;
+
+// A run of up to kMaxTiles tiles of one sequence's context: where each tile's first row
+// starts in the cache, and how many rows it has (16, except at the end of the context).
+struct TileRun {
+  const uint16_t* base[kMaxTiles];
+  int64_t rows[kMaxTiles];
+  int count = 0;
+};
+
+// Prefetches the rows of a run a few cache lines at a time, spread through the computation
+// of the run before it, so that the loads overlap the arithmetic instead of stalling it in
+// one burst (software prefetches wait for a free fill buffer).
+struct RunPrefetcher {
+  const char* base[kMaxTiles];
+  int64_t bytes[kMaxTiles];
+  int count = 0, tile = 0;
+  int64_t offset = 0;
+
+  void reset(const TileRun& run, int64_t row_bytes) {
+    count = run.count, tile = 0, offset = 0;
+    for (int t = 0; t < count; ++t) {
+      base[t] = reinterpret_cast<const char*>(run.base[t]);
+      bytes[t] = run.rows[t] * row_bytes;
+    }
+  }
+  inline void issue(int lines) {
+    for (; lines > 0 && tile < count; --lines) {
+      __builtin_prefetch(base[tile] + offset, 0, 1);
+      offset += 64;
+      if (offset >= bytes[tile]) ++tile, offset = 0;
+    }
+  }
+};
+
+// attend_block for bfloat16 with AVX512_BF16: G query heads of one KV head against a run of
+// tiles, with one online-softmax update for the whole run. The probabilities are rounded to
+// bf16 and the value rows are accumulated two at a time with vdpbf16ps (the running sum l adds
+// the rounded probabilities, so the weights stay normalised). The accumulators keep D in the
+// order that interleaving two rows' words gives (unpacklo/hi within 128-bit lanes);
+// unpermute_acc puts it back once per split.
+template <int D, int G>
+inline void attend_run_bf16(const uint16_t* q_heads, float scale, const TileRun& run, int64_t slot_stride,
+                            int64_t k_offset, int64_t v_offset, float* parts, uint16_t* probs,
+                            RunPrefetcher& prefetch, int lines_per_step) {
+  constexpr int NC = D / 32;  // bf16 registers per row
+  for (int g = 0; g < G; ++g) {  // scores, then the softmax update
+    __m512 tiles[kMaxTiles];
+    __m512 run_max = _mm512_set1_ps(-INFINITY);
+    for (int t = 0; t < run.count; ++t) {
+      prefetch.issue(lines_per_step);
+      const __m512 sc = scores16<D>(q_heads + g * D, run.base[t] + k_offset, slot_stride, run.rows[t], scale);
+      tiles[t] = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), static_cast<__mmask16>((1u << run.rows[t]) - 1u), sc);
+      run_max = _mm512_max_ps(run_max, tiles[t]);
+    }
+    float* acc = parts + g * (D + 2);
+    const float m_old = acc[D], m_new = std::max(m_old, _mm512_reduce_max_ps(run_max));
+    // 0 on the first run (m_old = -inf); 1 while the maximum stands
+    const float correction = m_new == m_old ? 1.f : std::exp(m_old - m_new);
+    __m512 sums = _mm512_setzero_ps();
+    for (int t = 0; t < run.count; ++t) {  // rows past a tile's end: exp(-inf) = 0
+      vec16 x;
+      std::memcpy(&x, &tiles[t], sizeof(x));
+      const __m256bh rounded = _mm512_cvtneps_pbh((__m512)exp16_nonpositive(x - m_new));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(probs + g * kMaxTiles * 16 + t * 16), (__m256i)rounded);
+      sums = _mm512_add_ps(sums, _mm512_cvtpbh_ps(rounded));
+    }
+    acc[D] = m_new;
+    acc[D + 1] = acc[D + 1] * correction + _mm512_reduce_add_ps(sums);
+    if (correction != 1.f)
+      for (int d = 0; d < D; ++d) acc[d] *= correction;
+  }
+  __m512 acc[G][2 * NC];
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < 2 * NC; ++c) acc[g][c] = _mm512_loadu_ps(parts + g * (D + 2) + c * 16);
+  for (int t = 0; t < run.count; ++t) {
+    const uint16_t* values = run.base[t] + v_offset;
+    const int64_t rows = run.rows[t];
+    for (int64_t i = 0; i < rows; i += 2) {  // rows i and i + 1 (a zero row past the tile's end)
+      prefetch.issue(lines_per_step);
+      __m512i pair[2 * NC];
+      for (int c = 0; c < NC; ++c) {
+        const __m512i a = _mm512_loadu_si512(values + i * slot_stride + c * 32);
+        const __m512i b = i + 1 < rows ? _mm512_loadu_si512(values + (i + 1) * slot_stride + c * 32)
+                                       : _mm512_setzero_si512();
+        pair[2 * c] = _mm512_unpacklo_epi16(a, b);
+        pair[2 * c + 1] = _mm512_unpackhi_epi16(a, b);
+      }
+      for (int g = 0; g < G; ++g) {  // (p_i, p_i+1) in every 32-bit lane; past the end, p is 0
+        uint32_t both;
+        std::memcpy(&both, probs + g * kMaxTiles * 16 + t * 16 + i, sizeof(both));
+        const __m512bh weights = (__m512bh)_mm512_set1_epi32(static_cast<int>(both));
+        for (int c = 0; c < 2 * NC; ++c) acc[g][c] = _mm512_dpbf16_ps(acc[g][c], weights, (__m512bh)pair[c]);
+      }
+    }
+  }
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < 2 * NC; ++c) _mm512_storeu_ps(parts + g * (D + 2) + c * 16, acc[g][c]);
+}
+
+// The accumulators' D back in order: register pair (lo, hi) of 32 interleaved values holds
+// lo lane 4L + m -> d = 8L + m and hi lane 4L + m -> d = 8L + 4 + m (L: 128-bit lane).
+template <int D>
+inline void unpermute_acc(float* acc) {
+  for (int c = 0; c < D / 32; ++c) {
+    const __m512 lo = _mm512_loadu_ps(acc + c * 32), hi = _mm512_loadu_ps(acc + c * 32 + 16);
+    const __m512 first = _mm512_shuffle_f32x4(lo, hi, 0x44), second = _mm512_shuffle_f32x4(lo, hi, 0xEE);
+    _mm512_storeu_ps(acc + c * 32, _mm512_shuffle_f32x4(first, first, 0xD8));
+    _mm512_storeu_ps(acc + c * 32 + 16, _mm512_shuffle_f32x4(second, second, 0xD8));
   }
 }
+
+// The tiles of positions [start, last), at most kMaxTiles; returns the position after them.
+inline int64_t next_run(const uint16_t* cache, const int64_t* table, int64_t block_size, int64_t slot_stride,
+                        int64_t start, int64_t last, TileRun& run) {
+  run.count = 0;
+  while (start < last && run.count < kMaxTiles) {
+    const int64_t offset = start % block_size;
+    const int64_t rows = std::min({int64_t{16}, block_size - offset, last - start});
+    run.base[run.count] = cache + (table[start / block_size] * block_size + offset) * slot_stride;
+    run.rows[run.count++] = rows;
+    start += rows;
+  }
+  return start;
+}
+
+// attend_split_fixed for bfloat16 with AVX512_BF16; q: every query head of the sequence, bf16
+// bits. While a run is attended, the next run's rows are prefetched, a share before each KV head.
+template <int D, int G>
+void attend_split_bf16(const uint16_t* q, float scale, const uint16_t* cache, const int64_t* table,
+                       int64_t block_size, int64_t kv_heads, int64_t first, int64_t last, float* parts) {
+  const int64_t slot_stride = 2 * kv_heads * D, stride = D + 2;
+  alignas(64) uint16_t probs[G * kMaxTiles * 16 + 2];  // one run's probabilities as bf16, per query head
+  std::memset(probs, 0, sizeof(probs));  // rows past a tile's end read as 0
+  init_partials(parts, kv_heads * G, D);
+  TileRun run, ahead;
+  RunPrefetcher prefetch;
+  int64_t after = next_run(cache, table, block_size, slot_stride, first, last, run);
+  while (run.count > 0) {
+    after = next_run(cache, table, block_size, slot_stride, after, last, ahead);
+    prefetch.reset(ahead, slot_stride * 2);
+    // the next run's lines over this run's prefetch points: G per tile for the scores, one
+    // per row pair for the values, per KV head
+    int64_t rows = 0, lines = 0;
+    for (int t = 0; t < run.count; ++t) rows += run.rows[t];
+    for (int t = 0; t < ahead.count; ++t) lines += ahead.rows[t] * slot_stride * 2 / 64;
+    const int64_t points = kv_heads * (G * run.count + (rows + 1) / 2);
+    const int lines_per_step = static_cast<int>((lines + points - 1) / points);
+    for (int64_t h = 0; h < kv_heads; ++h)
+      attend_run_bf16<D, G>(q + h * G * D, scale, run, slot_stride, h * D, (kv_heads + h) * D,
+                            parts + h * G * stride, probs, prefetch, lines_per_step);
+    run = ahead;
+  }
+  for (int64_t head = 0; head < kv_heads * G; ++head) unpermute_acc<D>(parts + head * stride);
+}
+
+template <int D>
+bool attend_bf16_group(int64_t group, const uint16_t* q, float scale, const uint16_t* cache, const int64_t* table,
+                       int64_t block_size, int64_t kv_heads, int64_t first, int64_t last, float* parts) {
+  return with_group(group, [&](auto g) {
+    attend_split_bf16<D, decltype(g)::value>(q, scale, cache, table, block_size, kv_heads, first, last, parts);
+  });
+}
+#endif  // __AVX512BF16__
 
 // One query token per sequence against its paged context:
 //   query [n, heads, head_dim]; kv_cache [blocks, block_size, 2 * kv_heads, head_dim] (keys in
@@ -473,7 +698,8 @@ bool attend_fixed_group(int64_t group, const float* qf, const scalar_t* cache, c
 // one (sequence, split of kSplitPositions) over every KV head: the K/V rows of a KV head are
 // read once for all the query heads of its group, converted to float32, and attended with an
 // online softmax (head_dim 64 or 128, group 1-8 and blocks of at most 32 slots through
-// attend_split_fixed, other shapes through attend_split); the splits of a (sequence, KV head) are then merged in order.
+// attend_split_fixed, other shapes through attend_split; bfloat16 on CPUs with AVX512_BF16
+// through attend_split_bf16); the splits of a (sequence, KV head) are then merged in order.
 torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor kv_cache, torch::Tensor block_tables,
                                      torch::Tensor seq_lens, double scale) {
   TORCH_CHECK(query.dim() == 3 && query.stride(2) == 1, "paged_decode_attention: query [n, heads, head_dim]");
@@ -512,17 +738,35 @@ torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor kv_cache
     const int64_t slot_stride = 2 * kv_heads * head_dim;
     at::parallel_for(0, first_task[n], 1, [&](int64_t begin, int64_t end) {
       std::vector<float> qf(heads * head_dim), scratch(head_dim + group * block_size);  // attend_split's
+      std::vector<uint16_t> q_scratch(heads * head_dim);
       int64_t seq = std::upper_bound(first_task.begin(), first_task.end(), begin) - first_task.begin() - 1;
       for (int64_t task = begin; task < end; ++task) {
         while (task >= first_task[seq + 1]) ++seq;
         const int64_t split = task - first_task[seq];
+        const int64_t first = split * kSplitPositions, last = std::min(lens[seq], first + kSplitPositions);
+        const int64_t* table = tables + seq * max_blocks;
+        float* task_parts = parts.data() + task * task_part;
+#if defined(__AVX512BF16__)
+        if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+          {
+            const uint16_t* qb = reinterpret_cast<const uint16_t*>(q + seq * q_tok);
+            std::vector<uint16_t>& q_bits = q_scratch;  // every query head, contiguous
+            for (int64_t h = 0; h < heads; ++h)
+              std::memcpy(q_bits.data() + h * head_dim, qb + h * q_head, head_dim * sizeof(uint16_t));
+            const uint16_t* cache_bits = reinterpret_cast<const uint16_t*>(cache);
+            const float sc = static_cast<float>(scale);
+            if ((head_dim == 64 && attend_bf16_group<64>(group, q_bits.data(), sc, cache_bits, table, block_size,
+                                                         kv_heads, first, last, task_parts)) ||
+                (head_dim == 128 && attend_bf16_group<128>(group, q_bits.data(), sc, cache_bits, table, block_size,
+                                                           kv_heads, first, last, task_parts)))
+              continue;
+          }
+        }
+#endif
         for (int64_t h = 0; h < heads; ++h) {  // the scale folded into the query
           load_f32(q + seq * q_tok + h * q_head, qf.data() + h * head_dim, head_dim);
           for (int64_t d = 0; d < head_dim; ++d) qf[h * head_dim + d] *= static_cast<float>(scale);
         }
-        const int64_t first = split * kSplitPositions, last = std::min(lens[seq], first + kSplitPositions);
-        const int64_t* table = tables + seq * max_blocks;
-        float* task_parts = parts.data() + task * task_part;
         const bool fixed = block_size <= kMaxFixedBlock &&
             ((head_dim == 64 && attend_fixed_group<scalar_t, 64>(group, qf.data(), cache, table, block_size,
                                                                  kv_heads, first, last, task_parts)) ||

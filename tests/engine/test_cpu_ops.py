@@ -134,7 +134,7 @@ def paged_case(dtype, heads, kv_heads, block_size, seq_lens, seed, head_dim=64):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("heads, kv_heads", [(9, 3), (4, 4), (8, 1)])
-@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("block_size", [16, 32, 64])
 @pytest.mark.parametrize("lengths", ["short", "long"])
 @pytest.mark.parametrize("head_dim", [64, 128, 48])  # the two compiled-in head sizes, and the generic path
 def test_paged_decode_attention_matches_dense_sdpa(ops, dtype, heads, kv_heads, block_size, lengths, head_dim):
