@@ -139,14 +139,29 @@ class Capacity:
     tried: list[tuple[float, float]]
 
 
-def find_capacity(attainment: Callable[[float], float], start: float, target: float = 0.9, step: float = 1.1,
-                  min_rate: float = 0.01, max_rate: float = 64.0) -> Capacity:
-    """The highest rate whose ``attainment(rate)`` is at least ``target``, to within ``step``
-    (the ratio of the lowest failing to the highest passing rate). Doubles (or halves) from
-    ``start`` until the answer changes, then bisects in log space."""
-    if not 0 < min_rate <= start <= max_rate or step <= 1:
-        raise ValueError(f"need 0 < min_rate <= start <= max_rate and step > 1 (got {min_rate}, {start}, "
-                         f"{max_rate}, {step})")
+@dataclass(frozen=True)
+class CapacityBounds:
+    """A capacity search's rules: it starts at ``start`` and stays within [min_rate, max_rate];
+    a rate passes when at least ``target`` of its requests meet both SLOs; it stops when the
+    lowest failing rate is at most ``step`` times the highest passing one."""
+
+    start: float = 0.25
+    target: float = 0.9
+    step: float = 1.1
+    min_rate: float = 0.01
+    max_rate: float = 64.0
+
+    def __post_init__(self) -> None:
+        if not 0 < self.min_rate <= self.start <= self.max_rate or self.step <= 1:
+            raise ValueError(f"need 0 < min_rate <= start <= max_rate and step > 1 (got {self.min_rate}, "
+                             f"{self.start}, {self.max_rate}, {self.step})")
+
+
+def find_capacity(attainment: Callable[[float], float], bounds: CapacityBounds = CapacityBounds()) -> Capacity:
+    """The highest rate whose ``attainment(rate)`` is at least ``bounds.target``, to within
+    ``bounds.step`` (the ratio of the lowest failing to the highest passing rate). Doubles (or
+    halves) from ``bounds.start`` until the answer changes, then bisects in log space."""
+    target, step, min_rate, max_rate = bounds.target, bounds.step, bounds.min_rate, bounds.max_rate
     tried: list[tuple[float, float]] = []
 
     def passes(rate: float) -> bool:
@@ -155,7 +170,7 @@ def find_capacity(attainment: Callable[[float], float], start: float, target: fl
         return share >= target
 
     lo = hi = None
-    rate = start
+    rate = bounds.start
     if passes(rate):
         lo = rate
         while hi is None and rate < max_rate:
@@ -183,15 +198,11 @@ def find_capacity(attainment: Callable[[float], float], start: float, target: fl
 
 @dataclass(frozen=True)
 class CapacitySearch:
-    """``--capacity``: where each contender's search starts and its bounds; ``workload(rate)``
-    gives the requests for a rate (the same for every contender)."""
+    """``--capacity``: the search's rules, and ``workload(rate)``, the requests for a rate (the
+    same for every contender)."""
 
     workload: Callable[[float], list[BenchRequest]]
-    start: float = 0.25
-    target: float = 0.9
-    step: float = 1.1
-    min_rate: float = 0.01
-    max_rate: float = 64.0
+    bounds: CapacityBounds = CapacityBounds()
 
 
 def capacity_workload(dataset: str, num_prompts: int, duration_s: float, seed: int,
@@ -218,6 +229,7 @@ class CompareResult:
     notes: dict[str, list[str]]
     command_lines: dict[str, str] = field(default_factory=dict)  # contender -> env and command as started
     capacities: dict[str, Capacity] = field(default_factory=dict)  # with a capacity search
+    capacity_bounds: CapacityBounds | None = None  # the search's rules, with a capacity search
 
 
 def compare(contenders: list[Contender], workloads: list[list[BenchRequest]], rates: list[float], seed: int,
@@ -259,12 +271,12 @@ def compare(contenders: list[Contender], workloads: list[list[BenchRequest]], ra
                 for rate, requests in zip(rates, workloads, strict=True):
                     measure(rate, requests)
             else:
-                found = find_capacity(lambda r: measure(r, capacity.workload(r))["slo_attainment"], capacity.start,
-                                      capacity.target, capacity.step, capacity.min_rate, capacity.max_rate)
+                found = find_capacity(lambda r: measure(r, capacity.workload(r))["slo_attainment"], capacity.bounds)
                 capacities[contender.name] = found
                 say(f"{contender.name}: capacity {_capacity(found)}")
     return CompareResult(slo_tpot_ms, slo_ttft_ms, unloaded, runs, {c.name: c.description for c in contenders}, notes,
-                         {c.name: _command_line(c) for c in contenders}, capacities)
+                         {c.name: _command_line(c) for c in contenders}, capacities,
+                         capacity.bounds if capacity is not None else None)
 
 
 def _capacity(found: Capacity) -> str:
@@ -275,8 +287,9 @@ def _capacity(found: Capacity) -> str:
     return f"{found.rate:.3g} req/s ({found.ceiling:.3g} failed)"
 
 
-def capacity_table(result: CompareResult, target: float = 0.9) -> str:
+def capacity_table(result: CompareResult) -> str:
     """Markdown: each contender's capacity and its figures at that rate."""
+    bounds = result.capacity_bounds or CapacityBounds()
     lines = [f"| server | capacity (req/s) | lowest failing rate | rates tried (share within SLOs) | SLOs met at "
              "capacity | TTFT p90 (ms) | TPOT p90 (ms) | ITL p99 (ms) |", "|---|---|---|---|---|---|---|---|"]
     for name, found in result.capacities.items():
@@ -287,8 +300,8 @@ def capacity_table(result: CompareResult, target: float = 0.9) -> str:
               f"{_num(s['tpot_ms']['p90'])} | {_num(s['itl_ms']['p99'])}")
         lines.append(f"| {name} | {'-' if found.rate is None else format(found.rate, '.3g')} | "
                      f"{'-' if found.ceiling is None else format(found.ceiling, '.3g')} | {tried} | {at} |")
-    lines.append(f"\ncapacity: the highest Poisson rate at which at least {target:.0%} of the requests met both SLOs; "
-                 "the lowest failing rate is at most 10% above it")
+    lines.append(f"\ncapacity: the highest Poisson rate at which at least {bounds.target:.0%} of the requests met both "
+                 f"SLOs; the lowest failing rate is at most {bounds.step - 1:.0%} above it")
     return "\n".join(lines)
 
 
@@ -428,7 +441,7 @@ def run_compare(args) -> int:
     if args.capacity:
         rates, workloads = [], []
         search = CapacitySearch(capacity_workload(args.dataset, args.num_prompts, args.capacity_duration, args.seed,
-                                                  spec), start=args.capacity_start)
+                                                  spec), CapacityBounds(start=args.capacity_start))
     result = compare(contenders, workloads, rates, args.seed, args.slo_tpot_ms, args.slo_ttft_ms, calibration,
                      warm_up=warm_up, capacity=search)
     out = Path(args.out_dir)
@@ -442,7 +455,7 @@ def run_compare(args) -> int:
           + (f", TTFT SLO {result.slo_ttft_ms:.0f} ms" if result.slo_ttft_ms else ""))
     print(table(result, contenders[0].name))
     if search is not None:
-        print("\n" + capacity_table(result, search.target))
+        print("\n" + capacity_table(result))
     for name, notes in result.notes.items():
         for note in notes:
             print(f"note: {name} {note}")

@@ -41,9 +41,14 @@ def gather_logprobs(logprobs: torch.Tensor, chosen: torch.Tensor, num_top: list[
     return results
 
 
+def _below_min_tokens(item: SamplingInput) -> bool:
+    """Stop tokens are blocked for this row: it has fewer than ``min_tokens`` outputs."""
+    return len(item.output_token_ids) < item.params.min_tokens
+
+
 def _block_stop_tokens(logits: torch.Tensor, inputs: list[SamplingInput]) -> None:
     for row, item in enumerate(inputs):
-        if len(item.output_token_ids) < item.params.min_tokens:
+        if _below_min_tokens(item):
             blocked = list(item.eos_token_ids) + list(item.params.stop_token_ids)
             if blocked:
                 logits[row, blocked] = float("-inf")
@@ -115,7 +120,7 @@ class Sampler:
         raw_logprobs = logits.log_softmax(dim=-1) if any(wants_logprobs) else None
         # edited in place below only where a row blocks stop tokens or has penalties: the copy
         # of [n, vocab] float32 logits is otherwise skipped
-        edited = any(len(i.output_token_ids) < i.params.min_tokens or i.params.has_penalties for i in inputs)
+        edited = any(_below_min_tokens(i) or i.params.has_penalties for i in inputs)
         processed = logits.clone() if edited else logits
         _block_stop_tokens(processed, inputs)
         _apply_penalties(processed, inputs)

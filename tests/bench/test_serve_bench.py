@@ -323,26 +323,26 @@ def test_contenders_are_chosen_by_name_and_vllm_runs_as_a_module(tmp_path):
 
 @pytest.mark.parametrize("threshold", [0.013, 0.3, 0.91, 1.0, 7.7, 50.0])
 def test_capacity_search_brackets_the_threshold_within_ten_percent(threshold):
-    from bench.compare import find_capacity
+    from bench.compare import CapacityBounds, find_capacity
 
-    found = find_capacity(lambda rate: 1.0 if rate <= threshold else 0.5, start=0.25)
+    found = find_capacity(lambda rate: 1.0 if rate <= threshold else 0.5, CapacityBounds(start=0.25))
     assert found.rate <= threshold < found.ceiling and found.ceiling / found.rate <= 1.1
     assert [rate for rate, _ in found.tried].count(found.rate) == 1  # no rate run twice
     assert all((share >= 0.9) == (rate <= threshold) for rate, share in found.tried)
 
 
 def test_capacity_search_reports_its_bounds():
-    from bench.compare import find_capacity
+    from bench.compare import CapacityBounds, find_capacity
 
-    never = find_capacity(lambda rate: 0.0, start=0.25, min_rate=0.05)
+    never = find_capacity(lambda rate: 0.0, CapacityBounds(start=0.25, min_rate=0.05))
     assert never.rate is None and never.ceiling == 0.05 and [r for r, _ in never.tried] == [0.25, 0.125, 0.0625, 0.05]
-    always = find_capacity(lambda rate: 1.0, start=1.0, max_rate=5.0)
+    always = find_capacity(lambda rate: 1.0, CapacityBounds(start=1.0, max_rate=5.0))
     assert always.rate == 5.0 and always.ceiling is None and [r for r, _ in always.tried] == [1.0, 2.0, 4.0, 5.0]
     # 90% is enough; 89% is not
-    edge = find_capacity(lambda rate: 0.9 if rate <= 2.0 else 0.89, start=1.0)
+    edge = find_capacity(lambda rate: 0.9 if rate <= 2.0 else 0.89, CapacityBounds(start=1.0))
     assert 2.0 / 1.1 <= edge.rate <= 2.0 < edge.ceiling
     with pytest.raises(ValueError):
-        find_capacity(lambda rate: 1.0, start=0.0)
+        CapacityBounds(start=0.0)
 
 
 def test_compare_capacity_against_scripted_servers(scripted_server):
@@ -350,7 +350,7 @@ def test_compare_capacity_against_scripted_servers(scripted_server):
     every rate up to the bound; one below it fails down to the lowest rate; the table says so."""
     from contextlib import nullcontext
 
-    from bench.compare import CapacitySearch, Contender, capacity_table, compare
+    from bench.compare import CapacityBounds, CapacitySearch, Contender, capacity_table, compare
 
     requests = [BenchRequest("hello", NUM_TOKENS, -1)] * 2
     served = Contender("a", "scripted", [], lambda: nullcontext(scripted_server), "m")
@@ -360,7 +360,7 @@ def test_compare_capacity_against_scripted_servers(scripted_server):
         asked.append(rate)
         return requests
 
-    search = CapacitySearch(workload, start=4.0, min_rate=2.0, max_rate=8.0)
+    search = CapacitySearch(workload, CapacityBounds(start=4.0, min_rate=2.0, max_rate=8.0))
     easy = compare([served], [], [], seed=0, slo_tpot_ms=1000.0, slo_ttft_ms=None, calibration=requests,
                    say=lambda line: None, capacity=search)
     assert easy.capacities["a"].rate == 8.0 and easy.capacities["a"].ceiling is None and asked == [4.0, 8.0]
@@ -370,6 +370,7 @@ def test_compare_capacity_against_scripted_servers(scripted_server):
     assert hard.capacities["a"].rate is None and hard.capacities["a"].ceiling == 2.0
     assert "| a | - | 2 | 4 (0%), 2 (0%) | - | - | - | - |" in capacity_table(hard)
     assert "| a | 8 | - | 4 (100%), 8 (100%) | 2/2 |" in capacity_table(easy)
+    assert "at least 90% of the requests" in capacity_table(easy) and "at most 10% above it" in capacity_table(easy)
 
 
 def test_compare_capacity_flags():
