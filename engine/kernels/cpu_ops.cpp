@@ -485,7 +485,7 @@ bool attend_fixed_group(int64_t group, const float* qf, const scalar_t* cache, c
 // float32, and the sums are float32), without widening every key row; the scale is applied to
 // the sums. Measured on a 2-core Xeon with AMX, 64 sequences of 600 positions, (9, 3) heads of
 // 64, one layer's cache per call, 30 layers: 2.55 ms per layer through attend_split_fixed,
-// 2.08 ms here (0.96 ms with the cache hot in L2: what is left is waiting for memory).
+// about 2.0 ms here (0.96 ms with the cache hot in L2: what is left is waiting for memory).
 
 // Sixteen accumulators -> one vector whose lane i holds the sum of acc[i]'s sixteen lanes.
 inline __m512 transpose_sum16(const __m512* acc) {
@@ -586,10 +586,12 @@ inline void attend_run_bf16(const uint16_t* q_heads, float scale, const TileRun&
     // 0 on the first run (m_old = -inf); 1 while the maximum stands
     const float correction = m_new == m_old ? 1.f : std::exp(m_old - m_new);
     __m512 sums = _mm512_setzero_ps();
-    for (int t = 0; t < run.count; ++t) {  // rows past a tile's end: exp(-inf) = 0
+    for (int t = 0; t < run.count; ++t) {  // rows past a tile's end: probability 0
       vec16 x;
       std::memcpy(&x, &tiles[t], sizeof(x));
-      const __m256bh rounded = _mm512_cvtneps_pbh((__m512)exp16_nonpositive(x - m_new));
+      const __m512 e = _mm512_maskz_mov_ps(static_cast<__mmask16>((1u << run.rows[t]) - 1u),
+                                           (__m512)exp16_nonpositive(x - m_new));
+      const __m256bh rounded = _mm512_cvtneps_pbh(e);
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(probs + g * kMaxTiles * 16 + t * 16), (__m256i)rounded);
       sums = _mm512_add_ps(sums, _mm512_cvtpbh_ps(rounded));
     }
@@ -653,7 +655,7 @@ inline int64_t next_run(const uint16_t* cache, const int64_t* table, int64_t blo
 }
 
 // attend_split_fixed for bfloat16 with AVX512_BF16; q: every query head of the sequence, bf16
-// bits. While a run is attended, the next run's rows are prefetched, a share before each KV head.
+// bits. While a run is attended, the next run's rows are prefetched through its arithmetic.
 template <int D, int G>
 void attend_split_bf16(const uint16_t* q, float scale, const uint16_t* cache, const int64_t* table,
                        int64_t block_size, int64_t kv_heads, int64_t first, int64_t last, float* parts) {
@@ -690,6 +692,28 @@ bool attend_bf16_group(int64_t group, const uint16_t* q, float scale, const uint
   });
 }
 #endif  // __AVX512BF16__
+
+// One task through attend_split_bf16 where this build and the shapes allow (a bfloat16 cache,
+// AVX512_BF16, head_dim 64 or 128, group 1-8): the query's heads are copied to q_bits, one
+// contiguous row. false: the caller takes the other paths.
+template <typename scalar_t>
+bool attend_bf16(const scalar_t* query, int64_t q_head, int64_t heads, int64_t head_dim, int64_t group, double scale,
+                 const scalar_t* cache, const int64_t* table, int64_t block_size, int64_t kv_heads, int64_t first,
+                 int64_t last, float* parts, std::vector<uint16_t>& q_bits) {
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+    if (head_dim != 64 && head_dim != 128) return false;
+    for (int64_t h = 0; h < heads; ++h)
+      std::memcpy(q_bits.data() + h * head_dim, query + h * q_head, head_dim * sizeof(uint16_t));
+    const uint16_t* bits = reinterpret_cast<const uint16_t*>(cache);
+    const float sc = static_cast<float>(scale);
+    return head_dim == 64
+        ? attend_bf16_group<64>(group, q_bits.data(), sc, bits, table, block_size, kv_heads, first, last, parts)
+        : attend_bf16_group<128>(group, q_bits.data(), sc, bits, table, block_size, kv_heads, first, last, parts);
+  }
+#endif
+  return false;
+}
 
 // One query token per sequence against its paged context:
 //   query [n, heads, head_dim]; kv_cache [blocks, block_size, 2 * kv_heads, head_dim] (keys in
@@ -738,7 +762,7 @@ torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor kv_cache
     const int64_t slot_stride = 2 * kv_heads * head_dim;
     at::parallel_for(0, first_task[n], 1, [&](int64_t begin, int64_t end) {
       std::vector<float> qf(heads * head_dim), scratch(head_dim + group * block_size);  // attend_split's
-      std::vector<uint16_t> q_scratch(heads * head_dim);
+      std::vector<uint16_t> q_bits(heads * head_dim);  // attend_bf16's
       int64_t seq = std::upper_bound(first_task.begin(), first_task.end(), begin) - first_task.begin() - 1;
       for (int64_t task = begin; task < end; ++task) {
         while (task >= first_task[seq + 1]) ++seq;
@@ -746,23 +770,9 @@ torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor kv_cache
         const int64_t first = split * kSplitPositions, last = std::min(lens[seq], first + kSplitPositions);
         const int64_t* table = tables + seq * max_blocks;
         float* task_parts = parts.data() + task * task_part;
-#if defined(__AVX512BF16__)
-        if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
-          {
-            const uint16_t* qb = reinterpret_cast<const uint16_t*>(q + seq * q_tok);
-            std::vector<uint16_t>& q_bits = q_scratch;  // every query head, contiguous
-            for (int64_t h = 0; h < heads; ++h)
-              std::memcpy(q_bits.data() + h * head_dim, qb + h * q_head, head_dim * sizeof(uint16_t));
-            const uint16_t* cache_bits = reinterpret_cast<const uint16_t*>(cache);
-            const float sc = static_cast<float>(scale);
-            if ((head_dim == 64 && attend_bf16_group<64>(group, q_bits.data(), sc, cache_bits, table, block_size,
-                                                         kv_heads, first, last, task_parts)) ||
-                (head_dim == 128 && attend_bf16_group<128>(group, q_bits.data(), sc, cache_bits, table, block_size,
-                                                           kv_heads, first, last, task_parts)))
-              continue;
-          }
-        }
-#endif
+        if (attend_bf16(q + seq * q_tok, q_head, heads, head_dim, group, scale, cache, table, block_size, kv_heads,
+                        first, last, task_parts, q_bits))
+          continue;
         for (int64_t h = 0; h < heads; ++h) {  // the scale folded into the query
           load_f32(q + seq * q_tok + h * q_head, qf.data() + h * head_dim, head_dim);
           for (int64_t d = 0; d < head_dim; ++d) qf[h * head_dim + d] *= static_cast<float>(scale);
