@@ -2,9 +2,11 @@
 
 Disaggregation pays where prefill and decode workers each have compute of their own (a GPU
 each, or nodes of their own): prompt arrivals then never stall a decode step. Where every
-worker would share one node's CPU cores, splitting those cores between the pools and copying
-the KV between them costs more than it saves (docs/benchmarks.md, "Against vLLM"), so one
-colocated worker with every core and time-bounded prefill chunks serves better."""
+worker would share one node's CPU cores, one colocated worker with every core and
+time-bounded prefill chunks has the better TTFT everywhere and the higher capacity on short
+prompts; disaggregation keeps only its lower ITL and, under long prompts, a higher capacity
+(docs/benchmarks.md, "Capacity with a steady load"), which a deployment asks for with
+``--mode disagg``."""
 
 from __future__ import annotations
 
