@@ -13,11 +13,11 @@ from dataclasses import dataclass
 import redis
 
 from engine.kv_cache.block_hash import hash_blocks, namespace_digest
-from kv_transfer.prefix_events import alive_key, blocks_key
+from prefix_index.keys import WorkerKeys
+from prefix_index.reader import PrefixIndex
 from proto import worker_pb2 as pb
 from router.dispatch import Dispatcher
 from router.policy import PrefixPolicy
-from router.prefix_index import PrefixIndex
 from router.workers import WorkerPool
 
 BLOCK_SIZE = 16
@@ -56,8 +56,9 @@ async def _measure(url: str, num_workers: int, prompt_tokens: int, rounds: int) 
                                       prefix_incarnation=incarnation, block_size=BLOCK_SIZE)
         held = digests[: len(digests) * 3 // 4] if index == num_workers // 2 else digests[: index % 3]
         other = hash_blocks(namespace_digest("bench-model", BLOCK_SIZE, f"noise{index}"), prompt[:2048], BLOCK_SIZE)
-        client.sadd(blocks_key(namespace, worker.address, incarnation), *(held + other))
-        client.set(alive_key(namespace, worker.address, incarnation), 1, ex=600)
+        keys = WorkerKeys.of(namespace, worker.address, incarnation)
+        client.sadd(keys.blocks, *(held + other))
+        client.set(keys.alive, 1, ex=600)
     index = PrefixIndex(url, budget_s=1.0)
     await index.start()
     dispatcher = Dispatcher(pool, pb.KV_TRANSPORT_GRPC, index=index)

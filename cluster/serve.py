@@ -267,7 +267,7 @@ class _Workers:
     def __init__(self, engine, args, secret: str, handles: dict) -> None:
         from cluster.actors import Placement
         from decode_worker.worker import DecodeWorkerConfig
-        from kv_transfer.prefix_events import PrefixIndexConfig
+        from prefix_index.publisher import PrefixIndexConfig
         from kv_transfer.worker_rpc import ServerConfig
         from prefill_worker.worker import PrefillWorkerConfig
 
@@ -328,7 +328,7 @@ def _serve(args, info, engine, max_model_len: int, sizes: dict[str, PoolSize], p
     from router.app import build_app
     from router.grpc_api import PublicGrpcServer
     from router.limits import RequestLimits
-    from router.prefix_index import PrefixIndex
+    from prefix_index.reader import PrefixIndex
     from router.state import RouterConfig, RouterState
     from router.workers import WorkerPool
     from telemetry.tracing import ROUTER_SERVICE, setup_tracing

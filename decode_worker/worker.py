@@ -23,11 +23,6 @@ from engine.llm import EngineArgs
 from engine.remote_kv import KVFailurePolicy
 from kv_transfer.grpc_transport import KVTransferServicer
 from kv_transfer.inbox import EngineInbox, TransferFailed
-from kv_transfer.prefix_events import (
-    PrefixEventPublisher,
-    PrefixIndexConfig,
-    attach_publisher,
-)
 from kv_transfer.torch_dist import TorchDistKVReceiver
 from kv_transfer.worker_rpc import (
     CHANNEL_OPTIONS,
@@ -42,6 +37,7 @@ from kv_transfer.worker_rpc import (
     secret_metadata,
     worker_stats,
 )
+from prefix_index.publisher import PrefixEventPublisher, PrefixIndexConfig, attach_publisher
 from proto import worker_pb2 as pb
 from proto import worker_pb2_grpc as pb_grpc
 from telemetry.stages import decode_spans, decode_stage_times

@@ -19,11 +19,6 @@ from engine.engine_core import EngineCore, EngineCoreOutput
 from engine.engine_loop import EngineLoop, build_engine
 from engine.llm import EngineArgs
 from engine.remote_kv import KVExport, prefill_side_params
-from kv_transfer.prefix_events import (
-    PrefixEventPublisher,
-    PrefixIndexConfig,
-    attach_publisher,
-)
 from kv_transfer.torch_dist import TorchDistKVSink
 from kv_transfer.worker_rpc import (
     CHANNEL_OPTIONS,
@@ -40,6 +35,7 @@ from prefill_worker.sinks import (
     grpc_request_sink,
     torch_request_sink,
 )
+from prefix_index.publisher import PrefixEventPublisher, PrefixIndexConfig, attach_publisher
 from proto import worker_pb2 as pb
 from proto import worker_pb2_grpc as pb_grpc
 from telemetry.stages import prefill_spans

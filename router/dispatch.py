@@ -19,10 +19,11 @@ import grpc
 from engine.kv_cache.block_hash import hash_blocks
 from engine.request import ErrorScope
 from kv_transfer.worker_rpc import ERROR_PARAM_KEY, ERROR_SCOPE_KEY
+from prefix_index.reader import PrefixIndex
 from proto import worker_pb2 as pb
 from router.errors import APIError
 from router.policy import RouteRequest
-from router.prefix_index import PrefixIndex, RecentRoutes
+from router.recent_routes import RecentRoutes
 from router.request_trace import SequenceTrace
 from router.workers import Assignment, WorkerPool
 
@@ -114,7 +115,8 @@ class Dispatcher:
             return RouteRequest(num_prompt)
         salt = (request.cache_salt,) if request.cache_salt else ()
         digests = hash_blocks(reference.prefix_namespace, list(request.prompt_token_ids), reference.block_size, salt)
-        held = await self.index.leading_blocks(reference.prefix_namespace, digests, workers)
+        incarnations = {w.address: w.stats.prefix_incarnation if w.stats is not None else "" for w in workers}
+        held = await self.index.leading_blocks(reference.prefix_namespace, digests, incarnations)
         if held is None:
             return RouteRequest(num_prompt, None, tuple(digests))
         recent = self.recent.leading_blocks(digests, [w.address for w in workers])

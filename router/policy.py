@@ -7,7 +7,7 @@ Stats and what the router itself has in flight there) and returns the chosen one
   i.e. fewest sequences per percent of free KV (ties: fewest in flight, then address), and
   the prefill worker with the lowest router_prompt_tokens_in_flight + waiting (its queued
   prompt work as this router knows it; ties by address).
-- ``prefix`` (router/prefix_index.py supplies, per request, each worker's leading cached
+- ``prefix`` (prefix_index/reader.py supplies, per request, each worker's leading cached
   tokens ``hit``; without it, it is ``load``):
     decode worker: the lowest
         2 x (1 - hit / prompt_tokens) + sequences / (sequences + 8) + (1 - free_kv / num_kv)

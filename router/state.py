@@ -20,7 +20,7 @@ from proto import worker_pb2 as pb
 from router.dispatch import Dispatcher
 from router.errors import APIError
 from router.limits import RequestLimits
-from router.prefix_index import PrefixIndex
+from prefix_index.reader import PrefixIndex
 from router.request_trace import RequestTrace
 from router.workers import WorkerPool
 from telemetry.metrics import ClusterCollector, RouterMetrics

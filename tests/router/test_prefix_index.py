@@ -18,11 +18,12 @@ from decode_worker.worker import DecodeWorker, DecodeWorkerConfig
 from engine import SamplingParams
 from engine.kv_cache.block_hash import hash_blocks, namespace_digest
 from engine.llm import EngineArgs
-from kv_transfer.prefix_events import PrefixIndexConfig, blocks_key
 from kv_transfer.worker_rpc import ServerConfig
+from prefix_index.keys import WorkerKeys
+from prefix_index.publisher import PrefixIndexConfig
+from prefix_index.reader import PrefixIndex
 from proto import worker_pb2 as pb
 from router.policy import WorkerView
-from router.prefix_index import PrefixIndex
 from tests.workers import SECRET, generate, generate_request, wait_until
 
 
@@ -48,7 +49,7 @@ def publishing_worker(private_redis, smollm_dir):
 
 def held_in_redis(private_redis, worker) -> set[bytes]:
     client = redis.Redis.from_url(private_redis.url)
-    return client.smembers(blocks_key(worker.core.kv_manager.namespace, worker.address, worker.publisher.incarnation))
+    return client.smembers(WorkerKeys.of(worker.core.kv_manager.namespace, worker.address, worker.publisher.incarnation).blocks)
 
 
 def lookup(url: str, namespace: bytes, digests: list[bytes], views: list[WorkerView]) -> dict[str, int] | None:
@@ -56,7 +57,8 @@ def lookup(url: str, namespace: bytes, digests: list[bytes], views: list[WorkerV
         index = PrefixIndex(url, budget_s=1.0)
         await index.start()
         try:
-            return await index.leading_blocks(namespace, digests, views)
+            incarnations = {v.address: v.stats.prefix_incarnation if v.stats is not None else "" for v in views}
+            return await index.leading_blocks(namespace, digests, incarnations)
         finally:
             await index.close()
 
@@ -98,7 +100,7 @@ def test_a_dead_workers_entries_stop_counting_after_its_ttl(private_redis):
     digests = hash_blocks(namespace, list(range(64)), 16)
     script = textwrap.dedent(f"""
         import sys, time
-        from kv_transfer.prefix_events import PrefixEventPublisher, PrefixIndexConfig
+        from prefix_index.publisher import PrefixEventPublisher, PrefixIndexConfig
         digests = [bytes.fromhex(h) for h in {[d.hex() for d in digests]!r}]
         publisher = PrefixEventPublisher(PrefixIndexConfig({private_redis.url!r}, heartbeat_ttl_s=1.5),
                                          bytes.fromhex({namespace.hex()!r}), "doomed:1", lambda: digests)
@@ -127,7 +129,7 @@ def test_a_dead_workers_entries_stop_counting_after_its_ttl(private_redis):
             await index.close()
 
     assert asyncio.run(sweep()) >= 1
-    assert not redis.Redis.from_url(private_redis.url).exists(blocks_key(namespace, "doomed:1", incarnation))
+    assert not redis.Redis.from_url(private_redis.url).exists(WorkerKeys.of(namespace, "doomed:1", incarnation).blocks)
 
 
 def test_routing_follows_the_index_and_survives_a_redis_outage(smollm_dir, llm):

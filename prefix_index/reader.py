@@ -1,4 +1,4 @@
-"""The router's reader of the prefix-cache index (key layout: kv_transfer/prefix_events.py).
+"""The router's reader of the prefix-cache index (key schema: prefix_index/keys.py).
 
 For one prompt, one Redis round trip (a Lua script that checks each worker incarnation's
 heartbeat key and scans its block set along the prompt's digests) gives every worker's number
@@ -10,14 +10,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import OrderedDict
+from collections.abc import Mapping
 
 import redis
 import redis.asyncio as aioredis
 
 from engine.kv_cache.block_hash import BlockHash
-from kv_transfer.prefix_events import alive_key, blocks_key, key_prefix
-from router.policy import WorkerView
+from prefix_index.keys import WorkerKeys, blocks_pattern
 
 logger = logging.getLogger(__name__)
 
@@ -61,27 +60,29 @@ class PrefixIndex:
         return time.monotonic() >= self._down_until
 
     async def leading_blocks(self, namespace: BlockHash, digests: list[BlockHash],
-                             workers: list[WorkerView]) -> dict[str, int] | None:
-        """address -> how many of ``digests`` (from the first) the worker holds now; workers
-        that publish nothing or whose heartbeat expired count 0. None: the index is away."""
+                             incarnations: Mapping[str, str]) -> dict[str, int] | None:
+        """``incarnations``: worker address -> the incarnation it publishes as ("": none).
+        Returns address -> how many of ``digests`` (from the first) the worker holds now;
+        workers that publish nothing or whose heartbeat expired count 0. None: the index is
+        away."""
         self.num_lookups += 1
-        published = [w for w in workers if w.stats is not None and w.stats.prefix_incarnation]
+        published = [(address, incarnation) for address, incarnation in incarnations.items() if incarnation]
         if not digests or not published:
-            return {w.address: 0 for w in workers}
+            return dict.fromkeys(incarnations, 0)
         if not self.is_available:
             self.num_unavailable += 1
             return None
         keys = []
-        for worker in published:
-            incarnation = worker.stats.prefix_incarnation
-            keys += [alive_key(namespace, worker.address, incarnation), blocks_key(namespace, worker.address, incarnation)]
+        for address, incarnation in published:
+            worker_keys = WorkerKeys.of(namespace, address, incarnation)
+            keys += [worker_keys.alive, worker_keys.blocks]
         try:
             counts = await asyncio.wait_for(self._leading_hits(keys=keys, args=digests), self.budget_s)
         except (redis.RedisError, OSError, TimeoutError) as exc:
             self._mark_down(exc)
             return None
-        held = {w.address: 0 for w in workers}
-        held.update({worker.address: int(count) for worker, count in zip(published, counts)})
+        held = dict.fromkeys(incarnations, 0)
+        held.update({address: int(count) for (address, _), count in zip(published, counts)})
         return held
 
     def _mark_down(self, exc: BaseException) -> None:
@@ -93,41 +94,12 @@ class PrefixIndex:
 
     async def sweep_dead(self, namespace: BlockHash) -> int:
         """Delete block sets of incarnations whose heartbeat expired (run now and then)."""
-        prefix = key_prefix(namespace)
         removed = 0
-        async for key in self._client.scan_iter(match=f"{prefix}:blocks:*", count=500):
-            worker = key.decode().removeprefix(f"{prefix}:blocks:")
-            if not await self._client.exists(f"{prefix}:alive:{worker}"):
-                removed += await self._client.delete(key, f"{prefix}:seq:{worker}")
+        async for key in self._client.scan_iter(match=blocks_pattern(namespace), count=500):
+            owner = WorkerKeys.from_blocks_key(namespace, key.decode())
+            if owner is not None and not await self._client.exists(owner.alive):
+                removed += await self._client.delete(owner.blocks, owner.seq)
         return removed
 
     async def close(self) -> None:
         await self._client.aclose()
-
-
-class RecentRoutes:
-    """What this router sent where in the last moments, by block digest: a prompt's blocks
-    reach the Redis index only once a worker has computed them, so a burst of requests sharing
-    a new prefix would otherwise scatter before the first one lands. Bounded (LRU)."""
-
-    def __init__(self, max_entries: int = 200_000) -> None:
-        self._entries: OrderedDict[tuple[str, BlockHash], None] = OrderedDict()
-        self._max_entries = max_entries
-
-    def remember(self, digests: list[BlockHash], addresses: list[str]) -> None:
-        for address in addresses:
-            for digest in digests:
-                key = (address, digest)
-                self._entries[key] = None
-                self._entries.move_to_end(key)
-        while len(self._entries) > self._max_entries:
-            self._entries.popitem(last=False)
-
-    def leading_blocks(self, digests: list[BlockHash], addresses: list[str]) -> dict[str, int]:
-        held = {}
-        for address in addresses:
-            count = 0
-            while count < len(digests) and (address, digests[count]) in self._entries:
-                count += 1
-            held[address] = count
-        return held

@@ -1,19 +1,7 @@
-"""The prefix-cache index in Redis: which worker holds which prefix-cache blocks.
-
-Workers write (``PrefixEventPublisher``), the router reads (router/prefix_index.py); both use
-the key layout here. Keys live under the engine's namespace digest (model, dtype, block size)
-and the hash version, so workers of another model or block size never match:
-
-    tandem:prefix:v<HASH_VERSION>:<namespace hex>:
-        blocks:<worker id>:<incarnation>   SET of 16-byte block digests the worker holds
-        alive:<worker id>:<incarnation>    "1" with a TTL, refreshed by the heartbeat
-        seq:<worker id>:<incarnation>      INCR per published batch (one per engine step)
-
-A worker process is one incarnation (a fresh id at each start), so a restarted worker never
-inherits its predecessor's entries; readers count only incarnations whose alive key exists,
-and dead incarnations' sets are deleted by the router (``PrefixIndex.sweep_dead``). After a
-(re)connect the publisher republishes its whole block set, so the index is rebuilt from what
-the workers hold now.
+"""The workers' side of the prefix-cache index: each worker publishes the digests of the blocks
+its prefix cache holds (key schema: prefix_index/keys.py). Dead incarnations' sets are
+deleted by the router (``PrefixIndex.sweep_dead``). After a (re)connect the publisher
+republishes its whole block set, so the index is rebuilt from what the workers hold now.
 """
 
 from __future__ import annotations
@@ -27,26 +15,11 @@ from dataclasses import dataclass
 
 import redis
 
-from engine.kv_cache.block_hash import HASH_VERSION, BlockHash
+from engine.kv_cache.block_hash import BlockHash
 from engine.kv_cache.block_pool import KVEvents
+from prefix_index.keys import WorkerKeys
 
 logger = logging.getLogger(__name__)
-
-
-def key_prefix(namespace: BlockHash) -> str:
-    return f"tandem:prefix:v{HASH_VERSION}:{namespace.hex()}"
-
-
-def blocks_key(namespace: BlockHash, worker_id: str, incarnation: str) -> str:
-    return f"{key_prefix(namespace)}:blocks:{worker_id}:{incarnation}"
-
-
-def alive_key(namespace: BlockHash, worker_id: str, incarnation: str) -> str:
-    return f"{key_prefix(namespace)}:alive:{worker_id}:{incarnation}"
-
-
-def seq_key(namespace: BlockHash, worker_id: str, incarnation: str) -> str:
-    return f"{key_prefix(namespace)}:seq:{worker_id}:{incarnation}"
 
 
 def connect(url: str, timeout_s: float) -> redis.Redis:
@@ -76,9 +49,7 @@ class PrefixEventPublisher:
         self.worker_id = worker_id
         self.incarnation = uuid.uuid4().hex[:12]
         self._snapshot = snapshot
-        self._blocks = blocks_key(namespace, worker_id, self.incarnation)
-        self._alive = alive_key(namespace, worker_id, self.incarnation)
-        self._seq = seq_key(namespace, worker_id, self.incarnation)
+        self.keys = WorkerKeys.of(namespace, worker_id, self.incarnation)
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._stop = threading.Event()
         self.connected = threading.Event()
@@ -112,7 +83,7 @@ class PrefixEventPublisher:
                 self._stop.wait(backoff_s)
                 backoff_s = min(5.0, backoff_s * 2)
         try:
-            client.delete(self._alive)  # a clean stop: stop counting at once
+            client.delete(self.keys.alive)  # a clean stop: stop counting at once
         except redis.RedisError:
             pass
 
@@ -121,11 +92,11 @@ class PrefixEventPublisher:
             self._queue.get_nowait()
         digests = self._snapshot()
         pipe = client.pipeline(transaction=True)
-        pipe.delete(self._blocks)
+        pipe.delete(self.keys.blocks)
         if digests:
-            pipe.sadd(self._blocks, *digests)
-        pipe.set(self._alive, 1, px=int(self.config.heartbeat_ttl_s * 1000))
-        pipe.incr(self._seq)
+            pipe.sadd(self.keys.blocks, *digests)
+        pipe.set(self.keys.alive, 1, px=int(self.config.heartbeat_ttl_s * 1000))
+        pipe.incr(self.keys.seq)
         pipe.execute()
         self.connected.set()
         logger.info("prefix index: published %d blocks as %s/%s", len(digests), self.worker_id, self.incarnation)
@@ -140,11 +111,11 @@ class PrefixEventPublisher:
             pipe = client.pipeline(transaction=True)
             if events is not None:
                 if events.stored:
-                    pipe.sadd(self._blocks, *events.stored)
+                    pipe.sadd(self.keys.blocks, *events.stored)
                 if events.evicted:
-                    pipe.srem(self._blocks, *events.evicted)
-                pipe.incr(self._seq)
-            pipe.set(self._alive, 1, px=int(self.config.heartbeat_ttl_s * 1000))
+                    pipe.srem(self.keys.blocks, *events.evicted)
+                pipe.incr(self.keys.seq)
+            pipe.set(self.keys.alive, 1, px=int(self.config.heartbeat_ttl_s * 1000))
             pipe.execute()
             if events is not None:
                 self.num_batches += 1
