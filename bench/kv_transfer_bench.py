@@ -16,6 +16,7 @@ from kv_transfer.grpc_transport import GrpcKVSink, KVTransferServicer, start_kv_
 from kv_transfer.inbox import EngineInbox
 from kv_transfer.torch_dist import TorchDistKVReceiver, TorchDistKVSink
 from kv_transfer.wire import MAX_CHUNK_BYTES
+from proto.rpc import CHANNEL_OPTIONS
 
 SECRET = "bench-secret"
 TOKEN_SHAPE = (6, 64)  # SmolLM2: 2 x 3 KV heads, head_dim 64
@@ -66,14 +67,14 @@ def _bare_grpc(kv: torch.Tensor) -> float:
         return b"ok"
 
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=2),
-                         options=[("grpc.max_receive_message_length", 4 * MAX_CHUNK_BYTES)])
+                         options=CHANNEL_OPTIONS)
     handler = grpc.method_handlers_generic_handler(
         "tandem.bench.Bare", {"Push": grpc.stream_unary_rpc_method_handler(push)})
     server.add_generic_rpc_handlers((handler,))
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
     data = kv.view(torch.uint8).flatten()
-    with grpc.insecure_channel(f"127.0.0.1:{port}", options=[("grpc.max_send_message_length", 4 * MAX_CHUNK_BYTES)]) as channel:
+    with grpc.insecure_channel(f"127.0.0.1:{port}", options=CHANNEL_OPTIONS) as channel:
         call = channel.stream_unary(_BARE_METHOD)
         start = time.perf_counter()
         call(data[i : i + MAX_CHUNK_BYTES].numpy().tobytes() for i in range(0, data.numel(), MAX_CHUNK_BYTES))

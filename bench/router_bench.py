@@ -20,9 +20,11 @@ from dataclasses import dataclass
 import grpc
 import httpx
 
-from kv_transfer.worker_rpc import CHANNEL_OPTIONS, ServerConfig, params_to_proto, secret_metadata
 from proto import worker_pb2 as pb
 from proto import worker_pb2_grpc as pb_grpc
+from proto.convert import params_to_proto
+from proto.rpc import CHANNEL_OPTIONS, secret_metadata
+from worker_runtime.server import ServerConfig
 
 SECRET = "bench-secret"
 MODEL_NAME = "bench-model"

@@ -267,9 +267,9 @@ class _Workers:
     def __init__(self, engine, args, secret: str, handles: dict) -> None:
         from cluster.actors import Placement
         from decode_worker.worker import DecodeWorkerConfig
-        from prefix_index.publisher import PrefixIndexConfig
-        from kv_transfer.worker_rpc import ServerConfig
         from prefill_worker.worker import PrefillWorkerConfig
+        from prefix_index.publisher import PrefixIndexConfig
+        from worker_runtime.server import ServerConfig
 
         server = ServerConfig("", args.worker_port, secret)
         index = PrefixIndexConfig(args.redis_url)
@@ -325,10 +325,10 @@ def _serve(args, info, engine, max_model_len: int, sizes: dict[str, PoolSize], p
     import uvicorn
 
     from cluster.autoscale import PoolAutoscaler, ScaleRule
+    from prefix_index.reader import PrefixIndex
     from router.app import build_app
     from router.grpc_api import PublicGrpcServer
     from router.limits import RequestLimits
-    from prefix_index.reader import PrefixIndex
     from router.state import RouterConfig, RouterState
     from router.workers import WorkerPool
     from telemetry.tracing import ROUTER_SERVICE, setup_tracing

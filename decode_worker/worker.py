@@ -18,37 +18,21 @@ from dataclasses import dataclass, field
 import grpc
 
 from engine.engine_core import EngineCore, EngineCoreOutput
-from engine.engine_loop import EngineLoop, build_engine
 from engine.llm import EngineArgs
 from engine.remote_kv import KVFailurePolicy
 from kv_transfer.grpc_transport import KVTransferServicer
 from kv_transfer.inbox import EngineInbox, TransferFailed
 from kv_transfer.torch_dist import TorchDistKVReceiver
-from kv_transfer.worker_rpc import (
-    CHANNEL_OPTIONS,
-    ServerConfig,
-    WorkerServer,
-    abort_failed,
-    abort_invalid,
-    check_request_id,
-    output_to_chunk,
-    params_from_proto,
-    params_to_proto,
-    secret_metadata,
-    worker_stats,
-)
-from prefix_index.publisher import PrefixEventPublisher, PrefixIndexConfig, attach_publisher
+from prefix_index.publisher import PrefixIndexConfig
 from proto import worker_pb2 as pb
 from proto import worker_pb2_grpc as pb_grpc
+from proto.convert import output_to_chunk, params_from_proto, params_to_proto
+from proto.rpc import CHANNEL_OPTIONS, Role, secret_metadata
 from telemetry.stages import decode_spans, decode_stage_times
-from telemetry.tracing import (
-    DECODE_SERVICE,
-    Tracing,
-    TracingConfig,
-    extract,
-    inject,
-    setup_tracing,
-)
+from telemetry.tracing import TracingConfig, extract, inject
+from worker_runtime.errors import abort_failed, abort_invalid, check_request_id
+from worker_runtime.runtime import RuntimeConfig, WorkerRuntime
+from worker_runtime.server import ServerConfig
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +51,10 @@ class DecodeWorkerConfig:
     kv_deadline_s: float = 30.0  # how long a prompt's KV may take to land
     stall_timeout_s: float = 300.0  # a stream with no output for this long is failed
     tracing: TracingConfig | None = None  # None: tracing off
+
+    @property
+    def runtime(self) -> RuntimeConfig:
+        return RuntimeConfig(self.engine, self.server, self.prefix_index, self.tracing)
 
 
 @dataclass(slots=True)
@@ -120,14 +108,12 @@ class DecodeWorker(pb_grpc.DecodeWorkerServicer):
     def __init__(self, config: DecodeWorkerConfig) -> None:
         self.config = config
         self.inbox = EngineInbox()
-        self.server = WorkerServer(config.server, self._register)
-        self._mailbox = _Mailbox(self.server.loop)
-        self.engine_loop = EngineLoop(lambda: build_engine(config.engine),
-                                      before_step=lambda core: self.inbox.drain_into(core).outputs,
-                                      after_step=self._publish_events, after_outputs=self._mailbox.flush)
-        self.core: EngineCore = self.engine_loop.core
-        self.publisher: PrefixEventPublisher | None = None
-        self.tracing: Tracing | None = None
+        self.runtime = WorkerRuntime(Role.DECODE, config.runtime, self._register,
+                                     before_step=lambda core: self.inbox.drain_into(core).outputs,
+                                     after_outputs=self._flush_outputs)
+        self._mailbox = _Mailbox(self.runtime.server.loop)
+        self.engine_loop = self.runtime.engine_loop
+        self.core: EngineCore = self.runtime.core
         self.inbox.on_put = self.engine_loop.wake
         cache = self.core.kv_cache.layers[0]
         self._token_shape = tuple(cache.shape[2:])
@@ -142,30 +128,18 @@ class DecodeWorker(pb_grpc.DecodeWorkerServicer):
         server.add_generic_rpc_handlers((self._kv_servicer.aio_handler(),))
 
     def start(self) -> str:
-        """Start the server, the prefix-event publisher and the engine loop; returns host:port."""
-        address = self.server.start()
-        self.tracing = setup_tracing(DECODE_SERVICE, self.config.tracing, address)
-        self.publisher = attach_publisher(self.core, self.config.prefix_index, address)
-        if self.publisher is not None:
-            self.publisher.start()
-        self.engine_loop.start()
-        return address
+        """Serve, publish and step; returns host:port."""
+        return self.runtime.start()
 
     def stop(self) -> None:
-        self.server.stop()
-        self.engine_loop.stop()
-        if self.publisher is not None:
-            self.publisher.stop()
-        if self.tracing is not None:
-            self.tracing.shutdown()
+        self.runtime.stop()
 
-    def _publish_events(self, core: EngineCore) -> None:
-        if self.publisher is not None:
-            self.publisher.publish(core.block_pool.take_events())
+    def _flush_outputs(self) -> None:  # engine thread, after each batch of outputs
+        self._mailbox.flush()
 
     @property
     def address(self) -> str:
-        return self.server.address
+        return self.runtime.address
 
     # -- Generate -----------------------------------------------------------------------------
     async def Generate(self, request: pb.GenerateRequest, context):
@@ -177,7 +151,7 @@ class DecodeWorker(pb_grpc.DecodeWorkerServicer):
             params = params_from_proto(request.params)
             admission = await asyncio.wrap_future(self.engine_loop.call(self._admit, request_id, request, params, stream))
             admission.received = received
-            if self.tracing is not None:
+            if self.runtime.tracing is not None:
                 admission.trace_parent = extract(context.invocation_metadata())
         except ValueError as exc:
             await abort_invalid(context, exc)
@@ -214,12 +188,12 @@ class DecodeWorker(pb_grpc.DecodeWorkerServicer):
         """Its stage times (for the router) and, with tracing on, its spans here."""
         remote = admission.kv_from_pos is not None and not output.kv_recomputed
         stages = decode_stage_times(admission.received, admission.prefill_sent, output.times, remote)
-        if self.tracing is not None:
+        if self.runtime.tracing is not None:
             attributes = {"tandem.request_id": request_id, "tandem.worker": self.address,
                           "gen_ai.usage.input_tokens": admission.num_prompt_tokens,
                           "tandem.cached_tokens": output.num_cached_tokens,
                           "tandem.kv_recomputed": output.kv_recomputed}
-            decode_spans(self.tracing, admission.trace_parent, admission.received, admission.prefill_sent,
+            decode_spans(self.runtime.tracing, admission.trace_parent, admission.received, admission.prefill_sent,
                          output.times, stages, attributes, output.error)
         return stages
 
@@ -295,10 +269,7 @@ class DecodeWorker(pb_grpc.DecodeWorkerServicer):
         return self.stats()
 
     def stats(self) -> pb.WorkerStats:
-        """Read without waiting for the engine thread (a long step must not make the worker
-        look dead): each figure is current, together they may be a step apart."""
-        return worker_stats(self.core, "decode", self.address, num_held_transfers=len(self.core.scheduler.waiting_for_remote_kv),
-                            prefix_incarnation=self.publisher.incarnation if self.publisher else "")
+        return self.runtime.stats(num_held_transfers=len(self.core.scheduler.waiting_for_remote_kv))
 
 
 class _NoCapacity(Exception):

@@ -38,7 +38,7 @@ BeforeStep = Callable[[EngineCore], list[EngineCoreOutput]]
 
 def build_engine(args: EngineArgs) -> EngineCore:
     """A worker's core, warmed up: kernels compiled (on a GPU) before the worker says it is ready."""
-    core = args.build().engine_core
+    core = args.build_core()
     core.warm_up()
     return core
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import torch
 
@@ -18,7 +18,7 @@ from engine.config import (
 )
 from engine.engine_core import EngineCore
 from engine.llm_engine import LLMEngine
-from engine.model_info import load_model_info
+from engine.model_info import ModelInfo, load_model_info
 from engine.models.registry import DEFAULT_MODEL
 from engine.outputs import RequestOutput
 from engine.platform import auto_dtype, resolve_device
@@ -64,37 +64,17 @@ class LLM:
         attention_backend: str = "auto",
         device: str = "auto",
     ) -> None:
-        if num_threads:
-            torch.set_num_threads(num_threads)
-        info = load_model_info(model, chat_template)
-        arch = info.arch
-        resolved = parse_dtype(dtype)
-        place = resolve_device(device)
-        if resolved is None:
-            resolved = auto_dtype(place.type, arch.hidden_size, arch.intermediate_size)
-            how = "timed on this CPU" if place.type == "cpu" else f"on {place.type}"
-            print(f"[tandem] dtype auto -> {str(resolved).removeprefix('torch.')} ({how})", file=sys.stderr, flush=True)
-        max_model_len = resolve_max_model_len(arch, max_model_len)
-        model_config = ModelConfig(
-            model_dir=info.model_dir,
-            served_model_name=served_model_name or model,
-            arch=arch,
-            dtype=resolved,
-            max_model_len=max_model_len,
-            chat_template=chat_template,
+        args = EngineArgs(
+            model=model, dtype=dtype, max_model_len=max_model_len, block_size=block_size,
+            num_kv_blocks=num_kv_blocks, kv_cache_memory_bytes=kv_cache_memory_bytes,
+            gpu_memory_utilization=gpu_memory_utilization, max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens, max_step_ms=max_step_ms,
+            enable_prefix_caching=enable_prefix_caching, num_threads=num_threads, seed=seed,
+            chat_template=chat_template, served_model_name=served_model_name,
+            attention_backend=attention_backend, device=device,
         )
-        self.config = EngineConfig(
-            model=model_config,
-            cache=CacheConfig(block_size, num_kv_blocks, kv_cache_memory_bytes, enable_prefix_caching,
-                              gpu_memory_utilization),
-            scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_step_ms),
-            num_threads=num_threads,
-            seed=seed,
-            attention_backend=attention_backend,
-            device=str(place),
-        )
-        self.info = info
-        self.engine_core = EngineCore(self.config, info, free_order_seed)
+        self.config, self.info = args.create_engine_config()
+        self.engine_core = EngineCore(self.config, self.info, free_order_seed)
         self.engine = LLMEngine(self.engine_core)
         self._ids = itertools.count()
 
@@ -189,10 +169,11 @@ def resolve_max_model_len(arch, requested: int | None) -> int:
 @dataclass(frozen=True, slots=True)
 class EngineArgs:
     """The engine half of a worker's configuration (the CLI's engine flags); same meanings
-    as LLM's arguments. Workers build their engine with ``build()``."""
+    as LLM's arguments. ``create_engine_config`` resolves it into the engine's config;
+workers build their engine from that with ``build_core()``, not through ``LLM``."""
 
     model: str = DEFAULT_MODEL
-    dtype: str = "auto"
+    dtype: str | torch.dtype = "auto"
     max_model_len: int | None = None
     block_size: int = 16
     num_kv_blocks: int | None = None
@@ -209,5 +190,41 @@ class EngineArgs:
     attention_backend: str = "auto"  # --attention-backend
     device: str = "auto"  # --device
 
-    def build(self) -> LLM:
-        return LLM(**{f.name: getattr(self, f.name) for f in fields(self)})
+    def create_engine_config(self) -> tuple[EngineConfig, ModelInfo]:
+        """Resolve what "auto" and None mean on this machine (dtype, device, context length)
+        into the engine's frozen config, with the model's tokenizer and metadata. Pins this
+        thread's torch threads when ``num_threads`` is set."""
+        if self.num_threads:
+            torch.set_num_threads(self.num_threads)
+        info = load_model_info(self.model, self.chat_template)
+        arch = info.arch
+        resolved = parse_dtype(self.dtype)
+        place = resolve_device(self.device)
+        if resolved is None:
+            resolved = auto_dtype(place.type, arch.hidden_size, arch.intermediate_size)
+            how = "timed on this CPU" if place.type == "cpu" else f"on {place.type}"
+            print(f"[tandem] dtype auto -> {str(resolved).removeprefix('torch.')} ({how})", file=sys.stderr, flush=True)
+        model_config = ModelConfig(
+            model_dir=info.model_dir,
+            served_model_name=self.served_model_name or self.model,
+            arch=arch,
+            dtype=resolved,
+            max_model_len=resolve_max_model_len(arch, self.max_model_len),
+            chat_template=self.chat_template,
+        )
+        config = EngineConfig(
+            model=model_config,
+            cache=CacheConfig(self.block_size, self.num_kv_blocks, self.kv_cache_memory_bytes,
+                              self.enable_prefix_caching, self.gpu_memory_utilization),
+            scheduler=SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, self.max_step_ms),
+            num_threads=self.num_threads,
+            seed=self.seed,
+            attention_backend=self.attention_backend,
+            device=str(place),
+        )
+        return config, info
+
+    def build_core(self, free_order_seed: int | None = None) -> EngineCore:
+        """The engine this configuration describes (model loaded, KV cache allocated)."""
+        config, info = self.create_engine_config()
+        return EngineCore(config, info, free_order_seed)

@@ -27,14 +27,9 @@ from kv_transfer.wire import (
     parse_frame,
 )
 from proto import kv_transfer_pb2 as pb
+from proto.rpc import CHANNEL_OPTIONS, SECRET_METADATA_KEY, secret_metadata
 
-SECRET_METADATA_KEY = "x-tandem-cluster-secret"
 PUSH_METHOD = "/tandem.v1.KVTransfer/Push"  # client-streaming frames (wire.py) -> PushReply
-MAX_MESSAGE_BYTES = 4 * MAX_CHUNK_BYTES  # chunks are at most MAX_CHUNK_BYTES of payload
-CHANNEL_OPTIONS = [
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-]
 _END = object()
 
 
@@ -188,7 +183,7 @@ class GrpcKVSink(KVSink):
         self._owns_channel = channel is None
         self._channel = channel or grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
         self._push = self._channel.stream_unary(PUSH_METHOD, response_deserializer=pb.PushReply.FromString)
-        self._metadata = ((SECRET_METADATA_KEY, secret),)
+        self._metadata = secret_metadata(secret)
         self._timeout_s = timeout_s
         self._max_chunk_bytes = max_chunk_bytes
         self._queue: queue.Queue = queue.Queue()

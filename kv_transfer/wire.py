@@ -23,8 +23,9 @@ import torch
 import xxhash
 
 from proto import kv_transfer_pb2 as pb
+from proto.rpc import MAX_MESSAGE_BYTES
 
-MAX_CHUNK_BYTES = 1 << 20  # payload per frame on gRPC (messages stay far below its limits)
+MAX_CHUNK_BYTES = MAX_MESSAGE_BYTES // 4  # payload per frame on gRPC (1 MiB: messages stay far below the limit)
 MAX_HEADER_BYTES = 1 << 16
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}

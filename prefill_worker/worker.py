@@ -16,36 +16,25 @@ from dataclasses import dataclass
 import grpc
 
 from engine.engine_core import EngineCore, EngineCoreOutput
-from engine.engine_loop import EngineLoop, build_engine
 from engine.llm import EngineArgs
 from engine.remote_kv import KVExport, prefill_side_params
 from kv_transfer.torch_dist import TorchDistKVSink
-from kv_transfer.worker_rpc import (
-    CHANNEL_OPTIONS,
-    ServerConfig,
-    WorkerServer,
-    abort_invalid,
-    check_request_id,
-    params_from_proto,
-    worker_stats,
-)
 from prefill_worker.sinks import (
     FramePause,
     RequestSink,
     grpc_request_sink,
     torch_request_sink,
 )
-from prefix_index.publisher import PrefixEventPublisher, PrefixIndexConfig, attach_publisher
+from prefix_index.publisher import PrefixIndexConfig
 from proto import worker_pb2 as pb
 from proto import worker_pb2_grpc as pb_grpc
+from proto.convert import params_from_proto
+from proto.rpc import CHANNEL_OPTIONS, Role
 from telemetry.stages import prefill_spans
-from telemetry.tracing import (
-    PREFILL_SERVICE,
-    Tracing,
-    TracingConfig,
-    extract,
-    setup_tracing,
-)
+from telemetry.tracing import TracingConfig, extract
+from worker_runtime.errors import abort_invalid, check_request_id
+from worker_runtime.runtime import RuntimeConfig, WorkerRuntime
+from worker_runtime.server import ServerConfig
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,15 +45,18 @@ class PrefillWorkerConfig:
     default_deadline_s: float = 30.0  # for requests that name none
     tracing: TracingConfig | None = None  # None: tracing off
 
+    @property
+    def runtime(self) -> RuntimeConfig:
+        return RuntimeConfig(self.engine, self.server, self.prefix_index, self.tracing)
+
 
 class PrefillWorker(pb_grpc.PrefillWorkerServicer):
     def __init__(self, config: PrefillWorkerConfig) -> None:
         self.config = config
-        self.engine_loop = EngineLoop(lambda: build_engine(config.engine), after_step=self._publish_events)
-        self.core: EngineCore = self.engine_loop.core
-        self.publisher: PrefixEventPublisher | None = None
-        self.tracing: Tracing | None = None
-        self.server = WorkerServer(config.server, lambda server: pb_grpc.add_PrefillWorkerServicer_to_server(self, server))
+        self.runtime = WorkerRuntime(Role.PREFILL, config.runtime,
+                                     lambda server: pb_grpc.add_PrefillWorkerServicer_to_server(self, server))
+        self.engine_loop = self.runtime.engine_loop
+        self.core: EngineCore = self.runtime.core
         self._channels: dict[str, grpc.Channel] = {}  # decode worker address -> channel (aio loop only)
         self._torch_pairs: dict[str, TorchDistKVSink] = {}  # decode rendezvous -> pair (aio loop only)
         self._held: dict[str, RequestSink] = {}  # request id -> its transfer in flight (aio loop only)
@@ -72,31 +64,17 @@ class PrefillWorker(pb_grpc.PrefillWorkerServicer):
         self.pause = FramePause()  # test hook: hold KV frames mid-transfer (see arm)
 
     def start(self) -> str:
-        address = self.server.start()
-        self.tracing = setup_tracing(PREFILL_SERVICE, self.config.tracing, address)
-        self.publisher = attach_publisher(self.core, self.config.prefix_index, address)
-        if self.publisher is not None:
-            self.publisher.start()
-        self.engine_loop.start()
-        return address
-
-    def _publish_events(self, core: EngineCore) -> None:
-        if self.publisher is not None:
-            self.publisher.publish(core.block_pool.take_events())
+        """Serve, publish and step; returns host:port."""
+        return self.runtime.start()
 
     def stop(self) -> None:
         for pair in self._torch_pairs.values():
             pair.finish(timeout_s=5)
-        self.server.stop()
-        self.engine_loop.stop()
-        if self.publisher is not None:
-            self.publisher.stop()
-        if self.tracing is not None:
-            self.tracing.shutdown()
+        self.runtime.stop()
 
     @property
     def address(self) -> str:
-        return self.server.address
+        return self.runtime.address
 
     async def Prefill(self, request: pb.PrefillRequest, context) -> pb.PrefillReply:
         received = time.monotonic()
@@ -123,11 +101,11 @@ class PrefillWorker(pb_grpc.PrefillWorkerServicer):
             if output.finish_reason not in ("stop", "length"):
                 await context.abort(grpc.StatusCode.ABORTED, output.error or f"prefill ended: {output.finish_reason}")
             error = await asyncio.to_thread(sink.finish, max(0.0, deadline - time.monotonic()))
-            if self.tracing is not None and output.times is not None:
+            if self.runtime.tracing is not None and output.times is not None:
                 attributes = {"tandem.request_id": request.request_id, "tandem.worker": self.address,
                               "gen_ai.usage.input_tokens": len(request.prompt_token_ids),
                               "tandem.cached_tokens": output.num_cached_tokens, "tandem.kv_target": request.kv_target}
-                prefill_spans(self.tracing, extract(context.invocation_metadata()), received, output.times,
+                prefill_spans(self.runtime.tracing, extract(context.invocation_metadata()), received, output.times,
                               sink.layer_sends, attributes, error)
             if error is not None:
                 await context.abort(grpc.StatusCode.UNAVAILABLE, f"pushing KV to {request.kv_target}: {error}")
@@ -179,8 +157,7 @@ class PrefillWorker(pb_grpc.PrefillWorkerServicer):
         return self.stats()  # read without waiting for the engine thread, as the decode worker's
 
     def stats(self) -> pb.WorkerStats:
-        return worker_stats(self.core, "prefill", self.address, self.kv_bytes_sent, len(self._held),
-                            self.publisher.incarnation if self.publisher else "")
+        return self.runtime.stats(self.kv_bytes_sent, len(self._held))
 
 
 class _Notify:

@@ -18,9 +18,9 @@ import grpc
 
 from engine.kv_cache.block_hash import hash_blocks
 from engine.request import ErrorScope
-from kv_transfer.worker_rpc import ERROR_PARAM_KEY, ERROR_SCOPE_KEY
 from prefix_index.reader import PrefixIndex
 from proto import worker_pb2 as pb
+from proto.rpc import ERROR_PARAM_KEY, ERROR_SCOPE_KEY
 from router.errors import APIError
 from router.policy import RouteRequest
 from router.recent_routes import RecentRoutes

@@ -11,13 +11,21 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from pydantic import ValidationError
 
-from kv_transfer.worker_rpc import ERROR_PARAM_KEY
 from proto import generation_pb2 as pb
 from proto import generation_pb2_grpc as pb_grpc
+from proto.rpc import ERROR_PARAM_KEY
 from router.dispatch import SequenceChunk
 from router.errors import APIError, validation_message
 from router.limits import check_input_chars, check_request_id
-from router.openai_api import Choice, chat_token_ids, check_chat, check_completion, prepare_chat, prepare_completion, usage_of
+from router.openai_api import (
+    Choice,
+    chat_token_ids,
+    check_chat,
+    check_completion,
+    prepare_chat,
+    prepare_completion,
+    usage_of,
+)
 from router.protocol import ChatCompletionRequest, CompletionRequest
 from router.state import RouterState
 

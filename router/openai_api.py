@@ -10,10 +10,10 @@ from dataclasses import dataclass, field
 
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from kv_transfer.worker_rpc import params_to_proto
-from proto import worker_pb2 as pb
-from router.dispatch import Sequence, SequenceChunk
 from engine.sampling_params import MAX_SEED, InvalidParam
+from proto import worker_pb2 as pb
+from proto.convert import params_to_proto
+from router.dispatch import Sequence, SequenceChunk
 from router.errors import APIError, sse_error
 from router.limits import check_sequences
 from router.protocol import ChatCompletionRequest, CompletionRequest

@@ -11,9 +11,9 @@ from dataclasses import dataclass
 
 import grpc
 
-from kv_transfer.worker_rpc import CHANNEL_OPTIONS, secret_metadata
 from proto import worker_pb2 as pb
 from proto import worker_pb2_grpc as pb_grpc
+from proto.rpc import CHANNEL_OPTIONS, secret_metadata
 from router.policy import RouteRequest, RoutingPolicy, WorkerView
 
 logger = logging.getLogger(__name__)

@@ -8,9 +8,10 @@ from dataclasses import dataclass, field
 import grpc
 
 from engine import SamplingParams
-from kv_transfer.worker_rpc import CHANNEL_OPTIONS, params_to_proto, secret_metadata
 from proto import worker_pb2 as pb
 from proto import worker_pb2_grpc as pb_grpc
+from proto.convert import params_to_proto
+from proto.rpc import CHANNEL_OPTIONS, secret_metadata
 
 SECRET = "test-cluster-secret"
 METADATA = secret_metadata(SECRET)

@@ -16,16 +16,23 @@ from cluster.actors import Placement, WorkerStartupError, launch_worker
 from decode_worker.worker import DecodeWorkerConfig
 from engine import SamplingParams
 from engine.llm import EngineArgs
-from kv_transfer.worker_rpc import ServerConfig
 from prefill_worker.worker import PrefillWorkerConfig
 from proto import worker_pb2 as pb
 from proto import worker_pb2_grpc as pb_grpc
 from tests.conftest import make_llm
 from tests.reference import EqualityStats, assert_same_as_engine_reference
 from tests.workers import (
-    METADATA, SECRET, collect, decode_stub, generate, generate_request, kv_bytes_per_token,
-    wait_all_free, wait_until,
+    METADATA,
+    SECRET,
+    collect,
+    decode_stub,
+    generate,
+    generate_request,
+    kv_bytes_per_token,
+    wait_all_free,
+    wait_until,
 )
+from worker_runtime.server import ServerConfig
 
 PROMPTS = [
     "Hi",

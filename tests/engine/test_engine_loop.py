@@ -7,15 +7,14 @@ import threading
 
 import pytest
 
-import decode_worker.worker as decode_module
-import prefill_worker.worker as prefill_module
+import worker_runtime.runtime as runtime_module
 from decode_worker.worker import DecodeWorker, DecodeWorkerConfig
 from engine.engine_loop import EngineLoop, build_engine
 from engine.llm import EngineArgs
 from engine.sampling_params import SamplingParams
-from kv_transfer.worker_rpc import ServerConfig
 from prefill_worker.worker import PrefillWorker, PrefillWorkerConfig
 from tests.workers import SECRET
+from worker_runtime.server import ServerConfig
 
 
 def tiny_args(model_dir) -> EngineArgs:
@@ -82,14 +81,13 @@ def test_a_build_past_its_deadline_raises_and_never_steps():
 
 @pytest.mark.parametrize("role", ["decode", "prefill"])
 def test_workers_build_their_core_on_their_engine_thread(role, tiny_llama_dir, monkeypatch):
-    module = decode_module if role == "decode" else prefill_module
     built_on = []
 
     def recording_build(args):
         built_on.append(threading.current_thread().name)
         return build_engine(args)
 
-    monkeypatch.setattr(module, "build_engine", recording_build)
+    monkeypatch.setattr(runtime_module, "build_engine", recording_build)
     server = ServerConfig("127.0.0.1", 0, SECRET)
     if role == "decode":
         worker = DecodeWorker(DecodeWorkerConfig(tiny_args(tiny_llama_dir), server))

@@ -13,8 +13,8 @@ from bench.launch import free_port
 from decode_worker.worker import DecodeWorker, DecodeWorkerConfig
 from engine import SamplingParams
 from engine.llm import EngineArgs
-from kv_transfer.worker_rpc import ServerConfig, params_to_proto
 from proto import worker_pb2 as pb
+from proto.convert import params_to_proto
 from router.dispatch import Dispatcher, Sequence
 from router.errors import APIError
 from router.policy import (
@@ -26,6 +26,7 @@ from router.policy import (
 )
 from router.workers import WorkerPool
 from tests.workers import SECRET
+from worker_runtime.server import ServerConfig
 
 
 @pytest.fixture(scope="module")

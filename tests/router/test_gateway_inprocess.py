@@ -14,12 +14,12 @@ from bench.launch import free_port
 from decode_worker.worker import DecodeWorker, DecodeWorkerConfig
 from engine.llm import EngineArgs
 from engine.model_info import load_model_info
-from kv_transfer.worker_rpc import ServerConfig
 from router.app import build_app
 from router.policy import RoundRobinPolicy
 from router.state import RouterConfig, RouterState
 from router.workers import WorkerPool
 from tests.workers import SECRET, wait_until
+from worker_runtime.server import ServerConfig
 
 
 class Gateway:
@@ -95,7 +95,7 @@ def test_colocated_trace_with_content_over_grpc_otlp(tiny_llama_dir):
                                 json={"model": "tiny", "prompt": "hello world", "max_tokens": 6, "ignore_eos": True,
                                       "temperature": 0}).json()
             tracing.flush()
-            worker.tracing.flush()
+            worker.runtime.tracing.flush()
 
             def whole(r):
                 roots = [s for s in r.spans if s.attributes.get("tandem.request_id") == "content-1"

@@ -18,13 +18,13 @@ from decode_worker.worker import DecodeWorker, DecodeWorkerConfig
 from engine import SamplingParams
 from engine.kv_cache.block_hash import hash_blocks, namespace_digest
 from engine.llm import EngineArgs
-from kv_transfer.worker_rpc import ServerConfig
 from prefix_index.keys import WorkerKeys
 from prefix_index.publisher import PrefixIndexConfig
 from prefix_index.reader import PrefixIndex
 from proto import worker_pb2 as pb
 from router.policy import WorkerView
 from tests.workers import SECRET, generate, generate_request, wait_until
+from worker_runtime.server import ServerConfig
 
 
 @pytest.fixture(scope="module")
@@ -42,14 +42,14 @@ def publishing_worker(private_redis, smollm_dir):
                                 prefix_index=PrefixIndexConfig(private_redis.url, heartbeat_ttl_s=2.0))
     worker = DecodeWorker(config)
     worker.start()
-    wait_until(worker.publisher.connected.is_set, what="the publisher to connect")
+    wait_until(worker.runtime.publisher.connected.is_set, what="the publisher to connect")
     yield worker
     worker.stop()
 
 
 def held_in_redis(private_redis, worker) -> set[bytes]:
     client = redis.Redis.from_url(private_redis.url)
-    return client.smembers(WorkerKeys.of(worker.core.kv_manager.namespace, worker.address, worker.publisher.incarnation).blocks)
+    return client.smembers(WorkerKeys.of(worker.core.kv_manager.namespace, worker.address, worker.runtime.publisher.incarnation).blocks)
 
 
 def lookup(url: str, namespace: bytes, digests: list[bytes], views: list[WorkerView]) -> dict[str, int] | None:
