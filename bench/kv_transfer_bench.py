@@ -12,11 +12,12 @@ import grpc
 import torch
 
 from engine.remote_kv import PrefillTiming
-from kv_transfer.grpc_transport import GrpcKVSink, KVTransferServicer, start_kv_server
+from kv_transfer.grpc_transport import GrpcKVReceiver, GrpcKVSink
 from kv_transfer.inbox import EngineInbox
 from kv_transfer.torch_dist import TorchDistKVReceiver, TorchDistKVSink
 from kv_transfer.wire import MAX_CHUNK_BYTES
 from proto.rpc import CHANNEL_OPTIONS
+from worker_runtime.server import ServerConfig, WorkerServer
 
 SECRET = "bench-secret"
 TOKEN_SHAPE = (6, 64)  # SmolLM2: 2 x 3 KV heads, head_dim 64
@@ -97,15 +98,24 @@ class _CountingInbox(EngineInbox):
             self.num_bytes += kv.numel() * kv.element_size()
 
 
+def _serve_kv(inbox: EngineInbox, dtype: torch.dtype, token_shape: tuple[int, int]) -> WorkerServer:
+    """What a decode worker serves KV on (its grpc.aio server) with only the KV receiver."""
+    receiver = GrpcKVReceiver(inbox, dtype, token_shape, lambda: server.address)
+    server = WorkerServer(ServerConfig("127.0.0.1", 0, SECRET),
+                          lambda grpc_server: grpc_server.add_generic_rpc_handlers((receiver.handler(),)))
+    server.start()
+    return server
+
+
 def _grpc_transport(kv: torch.Tensor) -> float:
     inbox = _CountingInbox()
-    server, port = start_kv_server(KVTransferServicer(inbox, SECRET, torch.float32, TOKEN_SHAPE))
-    sink = GrpcKVSink(f"127.0.0.1:{port}", SECRET, timeout_s=600)
+    server = _serve_kv(inbox, torch.float32, TOKEN_SHAPE)
+    sink = GrpcKVSink(server.address, SECRET, timeout_s=600)
     start = time.perf_counter()
     sink.send_layer("bench", 0, 0, kv)
     reply = sink.finish()
     elapsed = time.perf_counter() - start
-    server.stop(None)
+    server.stop()
     assert reply is not None and inbox.num_bytes == kv.numel() * 4, sink.error
     return elapsed
 
@@ -161,12 +171,12 @@ def overlap(model: str, prompt_tokens: int, threads: int) -> OverlapResult:
     prefill, decode = LLM(**kwargs).engine_core, LLM(**kwargs).engine_core
     inbox = EngineInbox()
     cache = decode.kv_cache.layers[0]
-    server, port = start_kv_server(KVTransferServicer(inbox, SECRET, cache.dtype, tuple(cache.shape[2:])))
+    server = _serve_kv(inbox, cache.dtype, tuple(cache.shape[2:]))
     ids = torch.randint(100, 40000, (prompt_tokens,), generator=torch.Generator().manual_seed(0)).tolist()
     params = SamplingParams(temperature=0.0, max_tokens=1)
     timings = {}
     for label, sink_type in (("layerwise", GrpcKVSink), ("after", _HoldingSink)):
-        sink = sink_type(f"127.0.0.1:{port}", SECRET, timeout_s=600)
+        sink = sink_type(server.address, SECRET, timeout_s=600)
         remote = decode.make_request(label, ids, params)
         from_pos = decode.add_remote_request(remote, deadline_s=600)
         prefill.add_request(prefill.make_request(label, ids, prefill_side_params(params, remote.seed)),
@@ -181,7 +191,7 @@ def overlap(model: str, prompt_tokens: int, threads: int) -> OverlapResult:
         while decode.has_unfinished_requests():
             decode.step()
         timings[label] = (prefill_done - start, transfer_done - prefill_done)
-    server.stop(None)
+    server.stop()
     return OverlapResult(prompt_tokens, timings["layerwise"][0], timings["layerwise"][1], timings["after"][1])
 
 

@@ -20,8 +20,9 @@ from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError
 from decode_worker.worker import DecodeWorker, DecodeWorkerConfig
 from prefill_worker.worker import PrefillWorker, PrefillWorkerConfig
 from proto import worker_pb2 as pb
+from proto.rpc import Role
 
-ROLES = ("prefill", "decode")
+ROLES = tuple(Role)  # what launch_worker accepts, and the custom resources the actors ask for
 
 
 class WorkerStartupError(RuntimeError):
@@ -32,13 +33,13 @@ class WorkerActor:
     """The Ray actor around one worker. Ray pickles only what its own control plane carries
     (the config at construction, small replies); requests and KV go over the worker's gRPC."""
 
-    def __init__(self, role: str, config: PrefillWorkerConfig | DecodeWorkerConfig, nice: int = 0) -> None:
-        self.role = role
+    def __init__(self, role: Role, config: PrefillWorkerConfig | DecodeWorkerConfig, nice: int = 0) -> None:
+        self.role = Role(role)
         if nice > 0:  # below decode workers and the router where they share CPUs (lowering needs no privilege)
             os.nice(nice)
         if not config.server.host:  # serve on this node's address, wherever Ray placed us
             config = replace(config, server=replace(config.server, host=ray.util.get_node_ip_address()))
-        self.worker = PrefillWorker(config) if role == "prefill" else DecodeWorker(config)
+        self.worker = PrefillWorker(config) if self.role == Role.PREFILL else DecodeWorker(config)
         self.address = self.worker.start()
 
     def ready(self) -> str:
@@ -51,9 +52,9 @@ class WorkerActor:
         """A serialized WorkerStats."""
         return self.worker.stats().SerializeToString()
 
-    def arm_kv_pause(self, after_frames: int) -> None:
-        """Test hook (prefill): hold the next transfer's sender after ``after_frames`` frames."""
-        self.worker.pause.arm(after_frames)
+    def arm_kv_pause(self, after_layers: int) -> None:
+        """Test hook (prefill): hold the next transfer's sender after ``after_layers`` layers."""
+        self.worker.pause.arm(after_layers)
 
     def kv_pause_holding(self) -> bool:
         return self.worker.pause.holding.is_set()
@@ -64,7 +65,7 @@ class WorkerActor:
 
 @dataclass
 class WorkerHandle:
-    role: str
+    role: Role
     actor: ray.actor.ActorHandle
     address: str  # host:port of its gRPC server
 
@@ -106,11 +107,12 @@ def _forwarded_env() -> dict[str, str]:
     return {key: value for key, value in os.environ.items() if key.startswith("OTEL_")}
 
 
-def launch_worker(role: str, config, placement: Placement = Placement(), name: str | None = None) -> WorkerHandle:
+def launch_worker(role: Role | str, config, placement: Placement = Placement(), name: str | None = None) -> WorkerHandle:
     """Start one worker actor on a node offering the ``role`` resource and wait until it
     serves. Raises WorkerStartupError (and kills the actor) if it is not ready in time."""
     if role not in ROLES:
-        raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+        raise ValueError(f"role must be one of {[str(r) for r in ROLES]}, got {role!r}")
+    role = Role(role)
     env = _forwarded_env()
     actor = ray.remote(WorkerActor).options(
         num_cpus=placement.num_cpus, num_gpus=placement.num_gpus, resources={role: 1},

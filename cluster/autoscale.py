@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from proto.rpc import Role
 from router.policy import WorkerView
 
 logger = logging.getLogger(__name__)
@@ -101,8 +102,8 @@ class ScaleDecider:
         self._hold_until = now + hold_s
 
 
-def pool_queue(role: str, workers: list[WorkerView]) -> float:
-    if role == "prefill":
+def pool_queue(role: Role, workers: list[WorkerView]) -> float:
+    if role == Role.PREFILL:
         return float(sum(w.prompt_tokens_in_flight for w in workers))
     return float(sum(w.stats.num_waiting for w in workers if w.stats is not None))
 

@@ -22,6 +22,7 @@ from cluster.autoscale import PoolSize, pool_size
 from cluster.placement import MODES, choose_mode, default_worker_threads
 from engine.remote_kv import KVFailurePolicy
 from engine.step_budget import DEFAULT_MAX_STEP_MS
+from proto.rpc import Role
 
 _TRANSPORTS = {"grpc": 0, "torch": 1}  # proto KVTransport values
 
@@ -200,8 +201,8 @@ def run_serve(args: argparse.Namespace) -> int:
         os.environ.setdefault("RAY_worker_niceness", "0")
         # room for each pool's largest size, whichever mode auto picks (a joined cluster's
         # autoscaler adds nodes instead)
-        init_ray(num_cpus=os.cpu_count(), resources={"prefill": args.prefill_workers.max,
-                                                     "decode": args.decode_workers.max},
+        init_ray(num_cpus=os.cpu_count(), resources={Role.PREFILL.value: args.prefill_workers.max,
+                                                     Role.DECODE.value: args.decode_workers.max},
                  include_dashboard=False, logging_level="warning")
     else:
         init_ray(address=args.ray_address, logging_level="warning")
@@ -228,12 +229,12 @@ def run_serve(args: argparse.Namespace) -> int:
                         num_threads=args.worker_threads, chat_template=chat_template,
                         attention_backend=args.attention_backend, device=args.device,
                         served_model_name=args.served_model_name or args.model)
-    sizes = {"decode": args.decode_workers}
+    sizes = {Role.DECODE: args.decode_workers}
     if args.mode == "disagg":
-        sizes["prefill"] = args.prefill_workers
+        sizes[Role.PREFILL] = args.prefill_workers
     _say("workers: " + ", ".join(
         f"{role} {'on ' + format(gpus, 'g') + ' GPU each' if gpus else 'on the CPU'}"
-        for role, gpus in (("prefill", args.prefill_gpus), ("decode", args.decode_gpus)) if role in sizes))
+        for role, gpus in ((Role.PREFILL, args.prefill_gpus), (Role.DECODE, args.decode_gpus)) if role in sizes))
     secret = os.environ.get("TANDEM_CLUSTER_SECRET") or secrets.token_urlsafe(32)
     handles: dict = {}  # address -> every worker launched, whatever happens next, so that all are stopped
     from cluster.actors import WorkerStartupError
@@ -275,12 +276,12 @@ class _Workers:
         index = PrefixIndexConfig(args.redis_url)
         placement = Placement(ready_timeout_s=args.ready_timeout)
         self.configs = {
-            "prefill": PrefillWorkerConfig(engine, server, prefix_index=index, tracing=args.tracing),
-            "decode": DecodeWorkerConfig(engine, server, prefix_index=index, tracing=args.tracing,
+            Role.PREFILL: PrefillWorkerConfig(engine, server, prefix_index=index, tracing=args.tracing),
+            Role.DECODE: DecodeWorkerConfig(engine, server, prefix_index=index, tracing=args.tracing,
                                          kv_failure_policy=KVFailurePolicy(args.kv_failure_policy)),
         }
-        self.placements = {"prefill": replace(placement, nice=max(0, args.prefill_nice), num_gpus=args.prefill_gpus),
-                           "decode": replace(placement, num_gpus=args.decode_gpus)}
+        self.placements = {Role.PREFILL: replace(placement, nice=max(0, args.prefill_nice), num_gpus=args.prefill_gpus),
+                           Role.DECODE: replace(placement, num_gpus=args.decode_gpus)}
         self.handles = handles
 
     def start(self, role: str) -> str:
@@ -344,8 +345,8 @@ def _serve(args, info, engine, max_model_len: int, sizes: dict[str, PoolSize], p
     tracing = setup_tracing(ROUTER_SERVICE, args.tracing, f"{args.host}:{args.port}")
     state = RouterState(config, info, pool, index, tracing)
     workers = _Workers(engine, args, secret, handles)
-    rules = {"prefill": ScaleRule(args.prefill_queue_target, args.scale_up_window, args.scale_down_window),
-             "decode": ScaleRule(args.decode_queue_target, args.scale_up_window, args.scale_down_window)}
+    rules = {Role.PREFILL: ScaleRule(args.prefill_queue_target, args.scale_up_window, args.scale_down_window),
+             Role.DECODE: ScaleRule(args.decode_queue_target, args.scale_up_window, args.scale_down_window)}
     autoscaler = PoolAutoscaler(pool, sizes, rules, workers.start, workers.stop, args.autoscale_interval,
                                 args.drain_timeout)
     state.registry.register(autoscaler)

@@ -20,8 +20,9 @@ import grpc
 from engine.engine_core import EngineCore, EngineCoreOutput
 from engine.llm import EngineArgs
 from engine.remote_kv import KVFailurePolicy
-from kv_transfer.grpc_transport import KVTransferServicer
+from kv_transfer.grpc_transport import GrpcKVReceiver
 from kv_transfer.inbox import EngineInbox, TransferFailed
+from kv_transfer.session import KVReceiver
 from kv_transfer.torch_dist import TorchDistKVReceiver
 from prefix_index.publisher import PrefixIndexConfig
 from proto import worker_pb2 as pb
@@ -117,15 +118,14 @@ class DecodeWorker(pb_grpc.DecodeWorkerServicer):
         self.inbox.on_put = self.engine_loop.wake
         cache = self.core.kv_cache.layers[0]
         self._token_shape = tuple(cache.shape[2:])
-        secret = config.server.cluster_secret
-        self._kv_servicer = KVTransferServicer(self.inbox, secret, cache.dtype, self._token_shape)
-        self._metadata = secret_metadata(secret)
+        self._grpc_receiver = GrpcKVReceiver(self.inbox, cache.dtype, self._token_shape, lambda: self.address)
+        self._metadata = secret_metadata(config.server.cluster_secret)
         self._prefill_stubs: dict[str, pb_grpc.PrefillWorkerStub] = {}  # address -> stub (aio loop only)
         self._torch_receivers: dict[str, TorchDistKVReceiver] = {}  # prefill address -> live pair
 
     def _register(self, server: grpc.aio.Server) -> None:
         pb_grpc.add_DecodeWorkerServicer_to_server(self, server)
-        server.add_generic_rpc_handlers((self._kv_servicer.aio_handler(),))
+        server.add_generic_rpc_handlers((self._grpc_receiver.handler(),))
 
     def start(self) -> str:
         """Serve, publish and step; returns host:port."""
@@ -222,7 +222,7 @@ class DecodeWorker(pb_grpc.DecodeWorkerServicer):
         target = request.prefill
         deadline_s = request.kv_deadline_ms / 1000 or self.config.kv_deadline_s
         try:
-            kv_target = self._kv_target(target)
+            kv_target = self._kv_receiver(target).kv_target
             call = pb.PrefillRequest(
                 request_id=request_id, prompt_token_ids=request.prompt_token_ids,
                 params=params_to_proto(params.with_overrides(seed=admission.seed)), cache_salt=request.cache_salt,
@@ -245,11 +245,11 @@ class DecodeWorker(pb_grpc.DecodeWorkerServicer):
             stub = self._prefill_stubs[address] = pb_grpc.PrefillWorkerStub(channel)
         return stub
 
-    def _kv_target(self, target: pb.PrefillTarget) -> str:
-        """Where the prefill worker sends KV: this server (gRPC), or the rendezvous of this
+    def _kv_receiver(self, target: pb.PrefillTarget) -> KVReceiver:
+        """What receives the prefill worker's KV: this server's Push stream (gRPC), or this
         worker's torch.distributed pair with it (set up on first use, again after a failure)."""
         if target.transport == pb.KV_TRANSPORT_GRPC:
-            return self.address
+            return self._grpc_receiver
         receiver = self._torch_receivers.get(target.address)
         if receiver is None or not receiver.is_alive:
             cache = self.core.kv_cache.storage
@@ -257,8 +257,7 @@ class DecodeWorker(pb_grpc.DecodeWorkerServicer):
                                            self._token_shape, host=self.config.server.host,
                                            timeout_s=self.config.kv_deadline_s, device=cache.device)
             self._torch_receivers[target.address] = receiver
-        host, port = receiver.address
-        return f"{host}:{port}"
+        return receiver
 
     # -- Abort / Stats ------------------------------------------------------------------------
     async def Abort(self, request: pb.AbortRequest, context) -> pb.AbortReply:

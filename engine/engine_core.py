@@ -29,7 +29,7 @@ from engine.model_info import ModelInfo
 from engine.model_runner import ModelRunner
 from engine.models.loader import load_model
 from engine.models.ops import select_ops
-from engine.outputs import Logprob, PositionLogprobs
+from engine.outputs import FinishReason, Logprob, PositionLogprobs
 from engine.platform import resolve_device
 from engine.remote_kv import (
     KVExport,
@@ -54,13 +54,26 @@ class EngineCoreOutput:
     new_logprobs: list[PositionLogprobs]  # one per new token, when asked
     new_prompt_logprobs: list[PositionLogprobs | None]  # prompt positions scored this step
     text_delta: str  # newly safe-to-show text
-    finish_reason: str | None  # "stop" | "length" | "abort" | "error" | None
-    stop_reason: int | str | None
+    finish_reason: FinishReason | None  # None: still running
+    stop_reason: int | str | None  # the stop token id or stop string that ended it
     num_cached_tokens: int
-    error: str | None = None  # why the request failed (finish_reason "error")
+    error: str | None = None  # why the request failed (finish_reason ERROR)
     error_scope: ErrorScope | None = None  # with error: whose fault it was
     kv_recomputed: bool = False  # its remote KV failed and the prompt was prefilled here
     times: RequestTimes | None = None  # on the last output: when it passed each point here
+
+    @classmethod
+    def failed(cls, request_id: str, error: str, scope: ErrorScope, num_cached_tokens: int = 0,
+               times: RequestTimes | None = None) -> EngineCoreOutput:
+        """The last output of a request that failed: no new tokens, why, and whose fault."""
+        return cls(request_id, [], [], [], "", FinishReason.ERROR, None, num_cached_tokens, error=error,
+                   error_scope=scope, times=times)
+
+    @classmethod
+    def aborted(cls, request_id: str, text_delta: str, num_cached_tokens: int,
+                times: RequestTimes | None) -> EngineCoreOutput:
+        """The last output of a cancelled request: the text held back so far, flushed."""
+        return cls(request_id, [], [], [], text_delta, FinishReason.ABORT, None, num_cached_tokens, times=times)
 
 
 @dataclass(frozen=True, slots=True)
@@ -242,20 +255,19 @@ class EngineCore:
         self._detokenizers.pop(request_id, None)
         self.counters.num_kv_failed += 1
         request.times.finished = time.monotonic()
-        return EngineCoreOutput(request_id, [], [], [], "", "error", None, request.num_cached_tokens,
-                                error=f"the prompt's KV transfer failed: {reason}",
-                                error_scope=ErrorScope.KV_TRANSFER, times=request.times)
+        return EngineCoreOutput.failed(request_id, f"the prompt's KV transfer failed: {reason}",
+                                       ErrorScope.KV_TRANSFER, request.num_cached_tokens, request.times)
 
     def abort_request(self, request_id: str) -> EngineCoreOutput | None:
         request = self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
         detok = self._detokenizers.pop(request_id, None)
         self.kv_importer.drop(request_id)
-        self.kv_exporter.close(request_id, "abort")
+        self.kv_exporter.close(request_id, FinishReason.ABORT)
         if request is None:
             return None
         request.times.finished = time.monotonic()
-        return EngineCoreOutput(request_id, [], [], [], detok.take_delta(True) if detok else "",
-                                "abort", None, request.num_cached_tokens, times=request.times)
+        return EngineCoreOutput.aborted(request_id, detok.take_delta(True) if detok else "",
+                                        request.num_cached_tokens, request.times)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -283,7 +295,7 @@ class EngineCore:
             for seq in scheduled.seqs:
                 self.scheduler.finish_request(seq.request_id, RequestStatus.FINISHED_ERROR)
                 self._detokenizers.pop(seq.request_id, None)
-                self.kv_exporter.close(seq.request_id, "error")
+                self.kv_exporter.close(seq.request_id, FinishReason.ERROR)
             raise
         self.scheduler.step_budget.observe(StepShape(
             scheduled.num_decodes, scheduled.num_batched_tokens - scheduled.num_decodes, time.perf_counter() - started))
@@ -317,10 +329,10 @@ class EngineCore:
             self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_ERROR)
         request.status = RequestStatus.FINISHED_ERROR
         self._detokenizers.pop(request.request_id, None)
-        self.kv_exporter.close(request.request_id, "error")
+        self.kv_exporter.close(request.request_id, FinishReason.ERROR)
         request.times.finished = time.monotonic()
-        return EngineCoreOutput(request.request_id, [], [], [], "", "error", None, request.num_cached_tokens,
-                                error=message, error_scope=ErrorScope.REQUEST, times=request.times)
+        return EngineCoreOutput.failed(request.request_id, message, ErrorScope.REQUEST, request.num_cached_tokens,
+                                       request.times)
 
     def _process(self, update: TokenUpdate) -> EngineCoreOutput:
         """Detokenize and apply stop strings; a failure there ends this request only."""

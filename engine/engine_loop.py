@@ -96,7 +96,7 @@ class EngineLoop:
         self._listeners[request_id] = listener
 
     def abort(self, request_id: str) -> Future:
-        """Abort a request wherever it is; its listener gets the final "abort" output.
+        """Abort a request wherever it is; its listener gets the final ABORT output.
         The Future's result: whether the request was still here."""
         return self.call(self._abort, request_id)
 
@@ -153,8 +153,7 @@ class EngineLoop:
         except Exception as exc:
             logger.exception("engine step failed")
             gone = [rid for rid in self._listeners if rid not in self.core.scheduler.requests]
-            return [EngineCoreOutput(rid, [], [], [], "", "error", None, 0, error=f"the model step failed: {exc}",
-                                     error_scope=ErrorScope.STEP) for rid in gone]
+            return [EngineCoreOutput.failed(rid, f"the model step failed: {exc}", ErrorScope.STEP) for rid in gone]
 
     def _run_calls(self) -> None:
         while True:
@@ -186,8 +185,7 @@ class EngineLoop:
     def _fail_everything(self, exc: BaseException) -> None:
         for request_id, listener in list(self._listeners.items()):
             self.core.abort_request(request_id)
-            listener(EngineCoreOutput(request_id, [], [], [], "", "error", None, 0, error=f"engine failed: {exc}",
-                                      error_scope=ErrorScope.ENGINE))
+            listener(EngineCoreOutput.failed(request_id, f"engine failed: {exc}", ErrorScope.ENGINE))
         self._listeners.clear()
         if self._after_outputs is not None:
             self._after_outputs()

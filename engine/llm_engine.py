@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engine.engine_core import EngineCore, EngineCoreOutput
-from engine.outputs import CompletionOutput, RequestOutput
+from engine.outputs import CompletionOutput, FinishReason, RequestOutput
 from engine.sampling_params import SamplingParams
 
 
@@ -70,7 +70,7 @@ class LLMEngine:
         # sequences the core no longer knew (failed in a step) end as aborted too
         for child_id, completion in zip(state.child_ids, state.output.outputs):
             if completion.finish_reason is None:
-                completion.finish_reason = "abort"
+                completion.finish_reason = FinishReason.ABORT
                 self._child_to_parent.pop(child_id, None)
         state.output.finished = True
         self._parents.pop(request_id, None)

@@ -2,7 +2,18 @@
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
+
+
+class FinishReason(enum.StrEnum):
+    """Why a request ended, spelled as vLLM and OpenAI spell it: the ``finish_reason`` of every
+    engine output, worker stream chunk and API response."""
+
+    STOP = "stop"  # EOS, a stop token id or a stop string
+    LENGTH = "length"  # max_tokens or the context length
+    ABORT = "abort"  # cancelled: client gone, aborted, drained
+    ERROR = "error"  # failed: the output's error says why and whose fault it was
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,7 +34,7 @@ class CompletionOutput:
     token_ids: list[int]
     cumulative_logprob: float | None  # sum of the chosen tokens' logprobs (when logprobs asked)
     logprobs: list[PositionLogprobs] | None
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" | None (running)
+    finish_reason: FinishReason | None = None  # None: running
     stop_reason: int | str | None = None  # the stop string or stop token id that ended it
 
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from engine.outputs import FinishReason
 from engine.scheduler_types import SampledToken
 
 
@@ -54,8 +55,8 @@ class KVSink(ABC):
         ``timing``: how long it queued and prefilled there."""
 
     @abstractmethod
-    def close(self, request_id: str, finish_reason: str) -> None:
-        """The request is gone from the prefill engine ("stop", "length", "abort", "error")."""
+    def close(self, request_id: str, finish_reason: FinishReason) -> None:
+        """The request is gone from the prefill engine, for ``finish_reason``."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,7 +166,7 @@ class KVExporter:
         if sink is not None:
             sink.send_first_token(request_id, token, num_cached_tokens, timing)
 
-    def close(self, request_id: str, finish_reason: str) -> None:
+    def close(self, request_id: str, finish_reason: FinishReason) -> None:
         sink = self._sinks.pop(request_id, None)
         if sink is not None:
             sink.close(request_id, finish_reason)

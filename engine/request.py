@@ -6,7 +6,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from engine.outputs import PositionLogprobs
+from engine.outputs import FinishReason, PositionLogprobs
 from engine.sampling_params import SamplingParams
 
 
@@ -25,7 +25,7 @@ class RequestStatus(enum.Enum):
         return self in _FINISHED
 
     @property
-    def finish_reason(self) -> str | None:
+    def finish_reason(self) -> FinishReason | None:
         return _FINISH_REASONS.get(self)
 
 
@@ -36,10 +36,10 @@ _FINISHED = {
     RequestStatus.FINISHED_ERROR,
 }
 _FINISH_REASONS = {
-    RequestStatus.FINISHED_STOPPED: "stop",
-    RequestStatus.FINISHED_LENGTH: "length",
-    RequestStatus.FINISHED_ABORTED: "abort",
-    RequestStatus.FINISHED_ERROR: "error",
+    RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
+    RequestStatus.FINISHED_LENGTH: FinishReason.LENGTH,
+    RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
+    RequestStatus.FINISHED_ERROR: FinishReason.ERROR,
 }
 
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.engine_core import EngineCore, EngineCoreOutput, KVLanding
+from engine.outputs import FinishReason
 from engine.remote_kv import KVSink, PrefillTiming
 from engine.scheduler_types import SampledToken
 
@@ -20,7 +21,7 @@ class InProcessKVSink(KVSink):
     receiver: EngineCore
     bytes_sent: int = 0
     first_outputs: list[EngineCoreOutput] = field(default_factory=list)  # receiver's first-token outputs
-    closed: dict[str, str] = field(default_factory=dict)  # request id -> finish reason on the sender
+    closed: dict[str, FinishReason] = field(default_factory=dict)  # request id -> why it ended on the sender
     errors: dict[str, str] = field(default_factory=dict)  # request id -> what the receiver refused
 
     def send_layer(self, request_id: str, layer: int, start_pos: int, kv: torch.Tensor) -> None:
@@ -38,5 +39,5 @@ class InProcessKVSink(KVSink):
         except (KeyError, ValueError) as exc:
             self.errors[request_id] = str(exc)
 
-    def close(self, request_id: str, finish_reason: str) -> None:
+    def close(self, request_id: str, finish_reason: FinishReason) -> None:
         self.closed[request_id] = finish_reason

@@ -21,25 +21,26 @@ channels, and a test runs it with the GPU's checksum.
 from __future__ import annotations
 
 import hmac
-import queue
 import threading
 import time
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 import xxhash
 
-from engine.remote_kv import KVSink, PrefillTiming
-from engine.scheduler_types import SampledToken
-from kv_transfer.grpc_transport import (
+from kv_transfer.inbox import EngineInbox
+from kv_transfer.session import (
+    ControlItem,
+    KVReceiver,
+    LayerItem,
     LayerSend,
-    first_token_arrival,
-    first_token_message,
+    QueuedKVSink,
+    ReceiveSession,
+    ReceiveStats,
 )
-from kv_transfer.inbox import EngineInbox, KVArrival, TransferFailed
 from kv_transfer.wire import (
     CorruptChunkError,
     check_chunk_header,
@@ -51,7 +52,6 @@ from kv_transfer.wire import (
 from proto import kv_transfer_pb2 as pb
 
 _RECEIVER, _SENDER = 0, 1
-_END = object()
 # No message-size limit here, so chunks are larger than gRPC's: each chunk costs a few
 # synchronous send/recv round trips, which dominate for small ones.
 GLOO_CHUNK_BYTES = 16 << 20
@@ -157,19 +157,17 @@ def _bytes_tensor(data: bytes) -> torch.Tensor:
         return torch.frombuffer(data, dtype=torch.uint8)
 
 
-@dataclass
-class TransferStats:
-    bytes_received: int = 0
-    chunks_received: int = 0
-    rejected: dict[str, str] = field(default_factory=dict)  # request id -> reason
+@dataclass(slots=True)
+class TransferStats(ReceiveStats):
     error: str | None = None  # why the pair ended early (auth, timeout, peer gone)
     backend: str | None = None  # the payload channel's: gloo or nccl
 
 
-class TorchDistKVReceiver:
+class TorchDistKVReceiver(KVReceiver):
     """Decode side of one pair: hosts the rendezvous store, receives on its own thread, and
-    puts validated KV into the engine's inbox. ``address`` is what the sender needs.
-    ``device``: where this engine's KV cache lives (CUDA on both ends: payloads over NCCL)."""
+    puts validated KV into the engine's inbox. ``address`` (host, port) is what the sender
+    needs. ``device``: where this engine's KV cache lives (CUDA on both ends: payloads over
+    NCCL)."""
 
     def __init__(self, inbox: EngineInbox, secret: str, dtype: torch.dtype, token_shape: tuple[int, int],
                  host: str = "127.0.0.1", timeout_s: float = 60.0, device: torch.device | str = "cpu",
@@ -184,7 +182,7 @@ class TorchDistKVReceiver:
         self._store = dist.TCPStore(host, 0, 2, True, self._timeout, wait_for_workers=False)
         self.address = (host, self._store.port)
         self.stats = TransferStats()
-        self._open: dict[str, float] = {}  # request with KV on this pair but no first token yet -> first chunk's arrival
+        self._session = ReceiveSession(inbox, self.stats)
         self._thread = threading.Thread(target=self._run, name="kv-recv-torch", daemon=True)
         self._thread.start()
 
@@ -200,45 +198,32 @@ class TorchDistKVReceiver:
                 message, payload = parse_frame(data.numpy())
                 if payload.nbytes:
                     raise CorruptChunkError("a control frame carries payload bytes")
-                self._handle(pair, message)
+                self._accept(pair, message)
         except (RuntimeError, CorruptChunkError) as exc:  # timeouts, dead peers, broken frames
             self.stats.error = str(exc)
         finally:  # whatever was half-sent will never complete: its requests' policy applies now
-            for request_id in self._open:
-                self._inbox.put(TransferFailed(request_id, f"the KV pair ended early: {self.stats.error or 'the sender closed it'}"))
-            self._open.clear()
+            self._session.close(f"the KV pair ended early: {self.stats.error or 'the sender closed it'}")
 
-    def _handle(self, pair: _Pair, message: pb.KVMessage) -> None:
-        kind = message.WhichOneof("kind")
-        request_id = getattr(message, kind).request_id
+    def _accept(self, pair: _Pair, message: pb.KVMessage) -> None:
         payload = None
-        if kind == "chunk":  # its bytes follow on the payload channel: take them whatever happens next
+        if message.WhichOneof("kind") == "chunk":  # its bytes follow on the payload channel: take them now
             num_bytes = message.chunk.payload_bytes
             if not 0 < num_bytes <= self._max_chunk_bytes:  # the stream cannot be followed past this
                 raise CorruptChunkError(f"chunk of {num_bytes} payload bytes (limit {self._max_chunk_bytes})")
             payload = pair.recv_payload(num_bytes)
-        if request_id in self.stats.rejected:
-            return
-        if kind == "chunk":
-            try:
-                shape = check_chunk_header(message.chunk, self._dtype, self._token_shape)
-                if pair.checksum(payload) != message.chunk.checksum:
-                    raise CorruptChunkError("payload checksum mismatch")
-            except CorruptChunkError as exc:
-                self.stats.rejected[request_id] = str(exc)
-                self._open.pop(request_id, None)
-                self._inbox.put(TransferFailed(request_id, str(exc)))
-                return
-            self._open.setdefault(request_id, time.monotonic())
-            kv = payload.view(self._dtype).view(shape)
-            self._inbox.put(KVArrival(request_id, message.chunk.layer, message.chunk.start_pos, kv))
-            self.stats.bytes_received += payload.numel()
-            self.stats.chunks_received += 1
-        elif kind == "first_token":
-            self._inbox.put(first_token_arrival(message.first_token, self._open.pop(request_id, None)))
-        else:
-            self._open.pop(request_id, None)
-            self._inbox.put(TransferFailed(request_id, f"sender aborted: {message.abort.reason}"))
+
+        def read_kv(chunk: pb.KVChunk) -> torch.Tensor:
+            shape = check_chunk_header(chunk, self._dtype, self._token_shape)
+            if pair.checksum(payload) != chunk.checksum:
+                raise CorruptChunkError("payload checksum mismatch")
+            return payload.view(self._dtype).view(shape)
+
+        self._session.accept(message, read_kv)
+
+    @property
+    def kv_target(self) -> str:
+        host, port = self.address
+        return f"{host}:{port}"
 
     @property
     def is_alive(self) -> bool:
@@ -250,18 +235,18 @@ class TorchDistKVReceiver:
         return self.stats
 
 
-class TorchDistKVSink(KVSink):
+class TorchDistKVSink(QueuedKVSink):
     """Prefill side of one pair: joins the receiver's group at ``address`` and streams from a
     sender thread (the engine thread only queues tensors). ``finish()`` ends the stream.
     ``device``: where this engine's KV cache lives (CUDA on both ends: payloads over NCCL)."""
 
     def __init__(self, address: tuple[str, int], secret: str, timeout_s: float = 60.0,
                  max_chunk_bytes: int = GLOO_CHUNK_BYTES, device: torch.device | str = "cpu"):
+        super().__init__()
         self._address, self._secret = address, secret
         self._timeout = timedelta(seconds=timeout_s)
         self._max_chunk_bytes = max_chunk_bytes
         self._device = torch.device(device)
-        self._queue: queue.Queue = queue.Queue()
         self.bytes_sent = 0
         self.error: str | None = None
         self.backend: str | None = None  # the payload channel's, once the pair is up
@@ -276,42 +261,31 @@ class TorchDistKVSink(KVSink):
             pair = _Pair(store, _SENDER, self._timeout, self._device)
             self.backend = pair.backend
             pair.send_frame(_bytes_tensor(self._secret.encode()))
-            while (item := self._queue.get()) is not _END:
-                if isinstance(item, tuple):
-                    self._send_layer(pair, *item)
-                else:
-                    pair.send_frame(_bytes_tensor(frame(item)))
+            while (item := self.next_item()) is not None:
+                match item:
+                    case LayerItem():
+                        self._send_layer(pair, item)
+                    case ControlItem(message):
+                        pair.send_frame(_bytes_tensor(frame(message)))
             pair.send_frame(torch.empty(0, dtype=torch.uint8))
         except RuntimeError as exc:
             self.error = str(exc)
+        finally:
+            self.drop_queued()
 
-    def _send_layer(self, pair: _Pair, request_id: str, layer: int, start_pos: int, kv: torch.Tensor) -> None:
+    def _send_layer(self, pair: _Pair, item: LayerItem) -> None:
+        request_id, layer, start_pos = item.request_id, item.layer, item.start_pos
         started, num_bytes = time.monotonic(), 0
-        for offset, part in chunk_parts(kv, self._max_chunk_bytes):
+        for offset, part in chunk_parts(item.kv, self._max_chunk_bytes):
             payload = part.to(pair.payload_device).view(torch.uint8).reshape(-1)
             header = chunk_header(request_id, layer, start_pos + offset, part, pair.checksum(payload))
             pair.send_frame(_bytes_tensor(frame(header)))
-            pair.send_payload(self._payload_tensor(request_id, layer, payload))
+            pair.send_payload(payload)
             num_bytes += payload.numel()
         self.bytes_sent += num_bytes
         sends = self.layer_sends.get(request_id)
         if sends is not None:
             sends.append(LayerSend(layer, start_pos, num_bytes, started, time.monotonic()))
-
-    def _payload_tensor(self, request_id: str, layer: int, payload: torch.Tensor) -> torch.Tensor:
-        """The bytes that leave for one chunk (tests override it to damage them)."""
-        return payload
-
-    def send_layer(self, request_id: str, layer: int, start_pos: int, kv: torch.Tensor) -> None:
-        self._queue.put((request_id, layer, start_pos, kv))
-
-    def send_first_token(self, request_id: str, token: SampledToken, num_cached_tokens: int,
-                         timing: PrefillTiming = PrefillTiming()) -> None:
-        self._queue.put(first_token_message(request_id, token, num_cached_tokens, timing))
-
-    def close(self, request_id: str, finish_reason: str) -> None:
-        if finish_reason not in ("stop", "length"):
-            self._queue.put(pb.KVMessage(abort=pb.TransferAbort(request_id=request_id, reason=finish_reason)))
 
     @property
     def is_alive(self) -> bool:
@@ -320,6 +294,6 @@ class TorchDistKVSink(KVSink):
 
     def finish(self, timeout_s: float | None = None) -> str | None:
         """End the stream and wait for it to drain; returns the error, if any."""
-        self._queue.put(_END)
+        self.end_stream()
         self._thread.join(timeout_s if timeout_s is not None else self._timeout.total_seconds())
         return self.error

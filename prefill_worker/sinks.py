@@ -14,9 +14,11 @@ from abc import abstractmethod
 import grpc
 import torch
 
+from engine.outputs import FinishReason
 from engine.remote_kv import KVSink, PrefillTiming
 from engine.scheduler_types import SampledToken
-from kv_transfer.grpc_transport import GrpcKVSink, LayerSend
+from kv_transfer.grpc_transport import GrpcKVSink
+from kv_transfer.session import LayerItem, LayerSend, SendItem
 from kv_transfer.torch_dist import TorchDistKVSink
 
 
@@ -35,24 +37,24 @@ class RequestSink(KVSink):
 
 class FramePause:
     """Test hook (Ray actor method ``arm_kv_pause``): the next gRPC transfer holds its sender
-    after ``after_frames`` KV frames, as a stalled prefill worker would, until released
+    after ``after_layers`` layers of KV, as a stalled prefill worker would, until released
     (cancel, ``release``) or its deadline. ``holding`` is set while a sender is held."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._after_frames: int | None = None
+        self._after_layers: int | None = None
         self._release = threading.Event()
         self.holding = threading.Event()
 
-    def arm(self, after_frames: int) -> None:
+    def arm(self, after_layers: int) -> None:
         with self._lock:
-            self._after_frames = after_frames
+            self._after_layers = after_layers
             self._release.clear()
             self.holding.clear()
 
     def claim(self) -> int | None:
         with self._lock:
-            after, self._after_frames = self._after_frames, None
+            after, self._after_layers = self._after_layers, None
             return after
 
     def hold(self, timeout_s: float) -> None:
@@ -67,14 +69,16 @@ class _GrpcRequestSink(GrpcKVSink, RequestSink):
     def __init__(self, target: str, secret: str, timeout_s: float, channel: grpc.Channel, pause: FramePause):
         self._pause = pause
         self._hold_after = pause.claim()
-        self._num_frames = 0
+        self._num_layers = 0
         super().__init__(target, secret, timeout_s=timeout_s, channel=channel)
 
-    def _on_frame(self, data: bytes) -> bytes:
-        self._num_frames += 1
-        if self._hold_after is not None and self._num_frames > self._hold_after:
-            self._pause.hold(self._timeout_s)
-        return super()._on_frame(data)
+    def next_item(self) -> SendItem | None:  # the sender thread
+        item = super().next_item()
+        if isinstance(item, LayerItem) and self._hold_after is not None:
+            self._num_layers += 1
+            if self._num_layers > self._hold_after:
+                self._pause.hold(self._timeout_s)
+        return item
 
     def finish(self, timeout_s: float) -> str | None:
         reply = super().finish(timeout_s)
@@ -117,7 +121,7 @@ class _PairRequestSink(RequestSink):
                          timing: PrefillTiming = PrefillTiming()) -> None:
         self._pair.send_first_token(request_id, token, num_cached_tokens, timing)
 
-    def close(self, request_id: str, finish_reason: str) -> None:
+    def close(self, request_id: str, finish_reason: FinishReason) -> None:
         self._pair.close(request_id, finish_reason)
 
     def finish(self, timeout_s: float) -> str | None:

@@ -17,6 +17,7 @@ import grpc
 
 from engine.engine_core import EngineCore, EngineCoreOutput
 from engine.llm import EngineArgs
+from engine.outputs import FinishReason
 from engine.remote_kv import KVExport, prefill_side_params
 from kv_transfer.torch_dist import TorchDistKVSink
 from prefill_worker.sinks import (
@@ -98,7 +99,7 @@ class PrefillWorker(pb_grpc.PrefillWorkerServicer):
             await asyncio.wrap_future(self.engine_loop.call(self._admit, request, params, sink, _Notify(finished),
                                                             received))
             output = await asyncio.wait_for(finished, deadline - time.monotonic())
-            if output.finish_reason not in ("stop", "length"):
+            if output.finish_reason not in (FinishReason.STOP, FinishReason.LENGTH):
                 await context.abort(grpc.StatusCode.ABORTED, output.error or f"prefill ended: {output.finish_reason}")
             error = await asyncio.to_thread(sink.finish, max(0.0, deadline - time.monotonic()))
             if self.runtime.tracing is not None and output.times is not None:

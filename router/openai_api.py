@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from engine.outputs import FinishReason
 from engine.sampling_params import MAX_SEED, InvalidParam
 from proto import worker_pb2 as pb
 from proto.convert import params_to_proto
@@ -46,7 +47,7 @@ class Choice:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[pb.PositionLogprobs] = field(default_factory=list)
     prompt_logprobs: list[pb.PositionLogprobs] = field(default_factory=list)
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
     first_token_at: float | None = None  # time.monotonic() of its first token (metrics, traces)
@@ -59,7 +60,7 @@ class Choice:
         self.prompt_logprobs += chunk.prompt_logprobs
         self.num_cached_tokens = max(self.num_cached_tokens, chunk.num_cached_tokens)
         if chunk.finish_reason:
-            self.finish_reason = chunk.finish_reason
+            self.finish_reason = FinishReason(chunk.finish_reason)
             kind = chunk.WhichOneof("stop_reason")
             self.stop_reason = getattr(chunk, kind) if kind else None
 

@@ -29,13 +29,14 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
 from proto import worker_pb2 as pb
+from proto.rpc import Role
 
 
 @dataclass(slots=True)
 class WorkerView:
     """The router's picture of one worker."""
 
-    role: str  # "prefill" | "decode"
+    role: Role
     address: str  # host:port
     healthy: bool = False  # answered its last Stats in time
     stats: pb.WorkerStats | None = None  # last Stats
@@ -85,7 +86,7 @@ class LoadPolicy(RoutingPolicy):
     @staticmethod
     def _score(worker: WorkerView) -> tuple:
         stats = worker.stats
-        if worker.role == "prefill":
+        if worker.role == Role.PREFILL:
             waiting = stats.num_waiting if stats else 0
             return (worker.prompt_tokens_in_flight + waiting, worker.address)
         sequences = worker.in_flight + (stats.num_running + stats.num_waiting if stats else 0)
@@ -104,7 +105,7 @@ class PrefixPolicy(RoutingPolicy):
         if route is None or route.hits is None:
             return LoadPolicy().pick(healthy)
         prompt = max(1, route.num_prompt_tokens)
-        if healthy[0].role == "decode":
+        if healthy[0].role == Role.DECODE:
             def score(worker: WorkerView) -> tuple:
                 stats = worker.stats
                 sequences = max(worker.in_flight, stats.num_running + stats.num_waiting if stats else 0)

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
+from engine.outputs import FinishReason
 from proto import worker_pb2 as pb
 from telemetry.metrics import WORKER_STAGES, RouterMetrics
 from telemetry.tracing import Tracing, inject, unix_ns
@@ -105,7 +106,7 @@ class RequestTrace:
         attributes = {
             "gen_ai.usage.input_tokens": sum(len(ids) for ids in prompt_ids),
             "gen_ai.usage.output_tokens": sum(len(c.token_ids) for c in choices),
-            "gen_ai.response.finish_reasons": [c.finish_reason or "error" for c in choices],
+            "gen_ai.response.finish_reasons": [str(c.finish_reason or FinishReason.ERROR) for c in choices],
             "tandem.time_to_first_token_s": min(first) - self.started if first else None,
             "tandem.time_in_queue_s": max((s.prefill_queue + s.decode_queue for s in stages), default=None),
             "tandem.cached_tokens": max((c.num_cached_tokens for c in choices), default=0),
@@ -118,7 +119,7 @@ class RequestTrace:
                 [{"role": "user", "parts": [{"type": "text", "content": text}]} for text in prompt_texts])
             attributes["gen_ai.output.messages"] = json.dumps(
                 [{"role": "assistant", "parts": [{"type": "text", "content": c.text}],
-                  "finish_reason": c.finish_reason or "error"} for c in choices])
+                  "finish_reason": str(c.finish_reason or FinishReason.ERROR)} for c in choices])
         root.set_attributes({k: v for k, v in attributes.items() if v is not None})
         if error is not None:
             root.set_status(Status(StatusCode.ERROR, error))

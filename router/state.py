@@ -16,11 +16,12 @@ from typing import TypeVar
 from prometheus_client import CollectorRegistry
 
 from engine.model_info import ModelInfo
+from engine.outputs import FinishReason
+from prefix_index.reader import PrefixIndex
 from proto import worker_pb2 as pb
 from router.dispatch import Dispatcher
 from router.errors import APIError
 from router.limits import RequestLimits
-from prefix_index.reader import PrefixIndex
 from router.request_trace import RequestTrace
 from router.workers import WorkerPool
 from telemetry.metrics import ClusterCollector, RouterMetrics
@@ -137,9 +138,9 @@ class RouterState:
         metrics.prompt_tokens.inc(sum(len(ids) for ids in prepared.prompt_ids))
         metrics.generation_tokens.inc(sum(len(c.token_ids) for c in choices))
         for choice in choices:
-            metrics.finished.labels(choice.finish_reason or "error").inc()
+            metrics.finished.labels(choice.finish_reason or FinishReason.ERROR).inc()
         metrics.e2e.observe(time.monotonic() - prepared.started)
-        unfinished = [c.index for c in choices if c.finish_reason in (None, "error")]
+        unfinished = [c.index for c in choices if c.finish_reason in (None, FinishReason.ERROR)]
         prepared.trace.finish(metrics, choices, prepared.prompt_ids, prepared.prompt_texts,
                               f"choices {unfinished} did not finish" if unfinished else None)
 

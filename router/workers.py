@@ -13,7 +13,7 @@ import grpc
 
 from proto import worker_pb2 as pb
 from proto import worker_pb2_grpc as pb_grpc
-from proto.rpc import CHANNEL_OPTIONS, secret_metadata
+from proto.rpc import CHANNEL_OPTIONS, Role, secret_metadata
 from router.policy import RouteRequest, RoutingPolicy, WorkerView
 
 logger = logging.getLogger(__name__)
@@ -28,8 +28,8 @@ class Assignment:
 class WorkerPool:
     def __init__(self, decode_addresses: list[str], prefill_addresses: list[str], secret: str,
                  policy: RoutingPolicy, poll_interval_s: float = 0.5, stats_timeout_s: float = 2.0) -> None:
-        self.decode = [WorkerView("decode", a) for a in decode_addresses]
-        self.prefill = [WorkerView("prefill", a) for a in prefill_addresses]
+        self.decode = [WorkerView(Role.DECODE, a) for a in decode_addresses]
+        self.prefill = [WorkerView(Role.PREFILL, a) for a in prefill_addresses]
         self.metadata = secret_metadata(secret)
         self._policy = policy
         self._poll_interval_s = poll_interval_s
@@ -39,13 +39,13 @@ class WorkerPool:
         self.failures_to_drop = 3  # consecutive failed Stats before a worker leaves routing
         self._last_seen: dict[str, tuple[float, int]] = {}  # address -> (time, prompt tokens computed)
 
-    def add_workers(self, role: str, addresses: list[str]) -> None:
+    def add_workers(self, role: Role, addresses: list[str]) -> None:
         """Workers that started after the pool was made (they join routing once healthy)."""
         self.views(role).extend(WorkerView(role, address) for address in addresses)
 
-    def views(self, role: str) -> list[WorkerView]:
+    def views(self, role: Role) -> list[WorkerView]:
         """The role's workers, draining ones included (the pool's own list)."""
-        return self.decode if role == "decode" else self.prefill
+        return self.decode if role == Role.DECODE else self.prefill
 
     def remove_worker(self, worker: WorkerView) -> None:
         """A worker that left (drained, then stopped): out of routing, health polls and metrics."""
@@ -57,7 +57,7 @@ class WorkerPool:
         if channel is not None:
             asyncio.get_running_loop().create_task(channel.close())
 
-    def routable(self, role: str, exclude: frozenset[str] = frozenset()) -> list[WorkerView]:
+    def routable(self, role: Role, exclude: frozenset[str] = frozenset()) -> list[WorkerView]:
         """The role's workers that take new requests (healthy or not; draining ones and
         ``exclude`` addresses do not)."""
         return [w for w in self.views(role) if not w.draining and w.address not in exclude]
@@ -73,7 +73,7 @@ class WorkerPool:
 
     def _stats_call(self, worker: WorkerView):
         channel = self._channel(worker.address)
-        stub = pb_grpc.DecodeWorkerStub(channel) if worker.role == "decode" else pb_grpc.PrefillWorkerStub(channel)
+        stub = pb_grpc.DecodeWorkerStub(channel) if worker.role == Role.DECODE else pb_grpc.PrefillWorkerStub(channel)
         return stub.Stats(pb.StatsRequest(), metadata=self.metadata, timeout=self._stats_timeout_s)
 
     # -- health -------------------------------------------------------------------------------
@@ -123,18 +123,18 @@ class WorkerPool:
 
     @property
     def is_ready(self) -> bool:
-        prefill = self.routable("prefill")
-        return any(w.healthy for w in self.routable("decode")) and (not prefill or any(w.healthy for w in prefill))
+        prefill = self.routable(Role.PREFILL)
+        return any(w.healthy for w in self.routable(Role.DECODE)) and (not prefill or any(w.healthy for w in prefill))
 
     # -- dispatch -----------------------------------------------------------------------------
     def assign(self, exclude: frozenset[str] = frozenset(), route: RouteRequest | None = None) -> Assignment | None:
         """A decode worker and (disaggregated) a prefill worker, avoiding ``exclude`` addresses."""
-        decode = self._policy.pick(self.routable("decode", exclude), route)
+        decode = self._policy.pick(self.routable(Role.DECODE, exclude), route)
         if decode is None:
             return None
-        if not self.routable("prefill"):
+        if not self.routable(Role.PREFILL):
             return Assignment(decode, None)
-        prefill = self._policy.pick(self.routable("prefill", exclude), route)
+        prefill = self._policy.pick(self.routable(Role.PREFILL, exclude), route)
         if prefill is None:
             return None
         return Assignment(decode, prefill)

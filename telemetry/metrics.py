@@ -8,6 +8,8 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
+from proto.rpc import Role
+
 # DESIGN.md's stages, in the order a request meets them
 STAGES = ("tokenize", "route", "prefill_queue", "prefill", "kv_transfer", "decode_queue", "decode", "stream")
 WORKER_STAGES = ("prefill_queue", "prefill", "kv_transfer", "decode_queue", "decode")  # fields of StageTimes
@@ -100,8 +102,8 @@ class ClusterCollector:
             waiting.add_metric(values, stats.num_waiting + stats.num_waiting_for_remote_kv)
             for field, family in counters.items():
                 family.add_metric(values, getattr(stats, field))
-            transfer.add_metric(values, stats.kv_bytes_received if worker.role == "decode" else stats.kv_bytes_sent)
-            if worker.role == "decode":
+            transfer.add_metric(values, stats.kv_bytes_received if worker.role == Role.DECODE else stats.kv_bytes_sent)
+            if worker.role == Role.DECODE:
                 failures.add_metric(values, stats.num_kv_recomputed + stats.num_kv_failed)
         yield usage
         yield waiting

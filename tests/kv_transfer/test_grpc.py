@@ -8,11 +8,12 @@ import torch
 
 from engine import SamplingParams
 from engine.remote_kv import KVExport, prefill_side_params
-from kv_transfer.grpc_transport import GrpcKVSink, KVTransferServicer, start_kv_server
+from kv_transfer.grpc_transport import GrpcKVReceiver, GrpcKVSink
 from kv_transfer.inbox import EngineInbox
 from kv_transfer.wire import CorruptChunkError, decode_chunk, encode_layer, parse_frame
-from tests.kv_transfer.helpers import RecordsSent, assert_landed_equals_sent
 from tests.conftest import make_engine_pair
+from tests.kv_transfer.helpers import RecordsSent, assert_landed_equals_sent
+from worker_runtime.server import ServerConfig, WorkerServer
 
 SECRET = "test-cluster-secret"
 PROMPTS = [
@@ -31,15 +32,22 @@ def server(engines):
     _, decode = engines
     inbox = EngineInbox()
     cache = decode.kv_cache.layers[0]
-    servicer = KVTransferServicer(inbox, SECRET, cache.dtype, tuple(cache.shape[2:]))
-    grpc_server, port = start_kv_server(servicer)
-    yield inbox, f"127.0.0.1:{port}"
-    grpc_server.stop(grace=None)
+    receiver = GrpcKVReceiver(inbox, cache.dtype, tuple(cache.shape[2:]), lambda: grpc_server.address)
+    # what a decode worker serves KV on: its grpc.aio server, the cluster secret checked per call
+    grpc_server = WorkerServer(ServerConfig("127.0.0.1", 0, SECRET),
+                               lambda server: server.add_generic_rpc_handlers((receiver.handler(),)))
+    grpc_server.start()
+    yield inbox, receiver.kv_target
+    grpc_server.stop()
 
 
 class RecordingSink(RecordsSent, GrpcKVSink):
-    def _on_frame(self, data):
-        return super()._on_frame(self.corrupt(data, layer=7))
+    """A sender on a faulty link: one payload bit of the corrupt request's layer 7 flips after
+    its checksum was computed."""
+
+    def _frames(self):
+        for data in super()._frames():
+            yield self.corrupt(data, layer=7)
 
 
 def run_transfer(engines, inbox, sink, prompts, params, tag):

@@ -39,13 +39,18 @@ def receiver_for(decode, secret=SECRET, timeout_s: float = 30):
 
 
 class RecordingSink(RecordsSent, TorchDistKVSink):
-    def _payload_tensor(self, request_id, layer, payload):
-        """Flip one bit of the corrupt request's layer-3 payload; its header keeps the checksum
-        of the original bytes."""
-        if request_id == self.corrupt_request and layer == 3:
-            payload = payload.clone()
-            payload[11] ^= 0x40
-        return payload
+    """A sender on a faulty link: one bit of the corrupt request's layer-3 payload flips after
+    its header's checksum was computed (that layer fits one chunk)."""
+
+    def _send_layer(self, pair, item):
+        if item.request_id != self.corrupt_request or item.layer != 3:
+            return super()._send_layer(pair, item)
+        payload = item.kv.contiguous().view(torch.uint8).reshape(-1)
+        header = chunk_header(item.request_id, item.layer, item.start_pos, item.kv, pair.checksum(payload))
+        damaged = payload.clone()
+        damaged[11] ^= 0x40
+        pair.send_frame(torch.frombuffer(bytearray(frame(header)), dtype=torch.uint8))
+        pair.send_payload(damaged)
 
 
 def reserve(decode, prompts, params, tag):
@@ -150,10 +155,10 @@ def test_gloo_sender_without_the_secret_is_refused(engines):
 class _OversizedHeaderSink(TorchDistKVSink):
     """Sends layer 0 as it is, then announces a layer-1 chunk far larger than any receiver accepts."""
 
-    def _send_layer(self, pair, request_id, layer, start_pos, kv):
-        if layer == 0:
-            return super()._send_layer(pair, request_id, layer, start_pos, kv)
-        header = chunk_header(request_id, layer, start_pos, kv, 0)
+    def _send_layer(self, pair, item):
+        if item.layer == 0:
+            return super()._send_layer(pair, item)
+        header = chunk_header(item.request_id, item.layer, item.start_pos, item.kv, 0)
         header.chunk.payload_bytes = 1 << 40
         pair.send_frame(torch.frombuffer(bytearray(frame(header)), dtype=torch.uint8))
 
