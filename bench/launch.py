@@ -4,17 +4,31 @@ started) afterwards."""
 from __future__ import annotations
 
 import os
+import random
 import socket
 import subprocess
 import sys
 import threading
 import time
 
+# Ports for servers started later: between Ray's worker ports (10002-19999 by default) and the
+# kernel's ephemeral range (32768 and up on Linux), so that nothing a `tandem serve` starts
+# before it binds its own (Ray, its workers, their outgoing connections) can take the port first.
+_PORTS = range(20000, 32768)
+
 
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A loopback port that is free now and that no ephemeral allocation will hand out."""
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.choice(_PORTS)
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise OSError(f"no free port in {_PORTS.start}-{_PORTS.stop - 1}")
 
 
 class _Launched:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from proto import worker_pb2
+from proto.sampling import sampling_to_proto
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,12 +38,4 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
 
     def to_proto(self) -> worker_pb2.SamplingParams:
-        message = worker_pb2.SamplingParams(stop=list(self.stop), stop_token_ids=list(self.stop_token_ids),
-                                            ignore_eos=self.ignore_eos, min_tokens=self.min_tokens,
-                                            include_stop_str_in_output=self.include_stop_str_in_output)
-        for name in ("temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "logprobs",
-                     "repetition_penalty", "presence_penalty", "frequency_penalty", "skip_special_tokens"):
-            value = getattr(self, name)
-            if value is not None:
-                setattr(message, name, value)
-        return message
+        return sampling_to_proto(self)

@@ -61,7 +61,6 @@ class Tokenizer:
         self.eos_token_id = self._tok.token_to_id(self.eos_token) if self.eos_token else None
         self.chat_template = chat_template or self._template_from(model_dir, config)
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
-        self._special_ids = {i for i, tok in self._tok.get_added_tokens_decoder().items() if tok.special}
 
     @staticmethod
     def _template_from(model_dir: Path, config: dict) -> str | None:
@@ -82,9 +81,6 @@ class Tokenizer:
     def token_text(self, token_id: int) -> str:
         """One token's text as it would be decoded on its own (for logprob entries)."""
         return self._tok.decode([token_id], skip_special_tokens=False)
-
-    def is_special(self, token_id: int) -> bool:
-        return token_id in self._special_ids
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         if not self.chat_template:

@@ -28,16 +28,10 @@ from kv_transfer.inbox import EngineInbox, FirstTokenArrival, KVArrival, Transfe
 from kv_transfer.wire import CorruptChunkError
 from proto import kv_transfer_pb2 as pb
 
-
 # -- sending --------------------------------------------------------------------------------
-@dataclass(frozen=True, slots=True)
-class LayerItem:
-    """One layer's KV of one request, for positions [start_pos, start_pos + num_tokens)."""
-
-    request_id: str
-    layer: int
-    start_pos: int
-    kv: torch.Tensor  # [num_tokens, 2 * kv_heads, head_dim]
+# One layer's KV of one request, for positions [start_pos, start_pos + num_tokens): what a
+# sender queues is what the receiver's inbox gets, field for field.
+LayerItem = KVArrival
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,35 +10,19 @@ from engine.outputs import PositionLogprobs
 from engine.sampling_params import SamplingParams
 from engine.step_budget import CHUNK_TOKEN_BUCKETS
 from proto import worker_pb2 as pb
+from proto.sampling import sampling_from_proto, sampling_to_proto
 
 if TYPE_CHECKING:
     from engine.engine_core import EngineCore, EngineCoreOutput
 
-_OPTIONAL = ("temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "logprobs", "prompt_logprobs",
-             "repetition_penalty", "presence_penalty", "frequency_penalty", "skip_special_tokens")
-
-
 def params_from_proto(message: pb.SamplingParams) -> SamplingParams:
-    """Unset optional fields keep vLLM's defaults; raises ValueError on invalid values."""
-    kwargs = {name: getattr(message, name) for name in _OPTIONAL if message.HasField(name)}
-    if "max_tokens" not in kwargs:
-        kwargs["max_tokens"] = None  # unset: up to the context length
-    return SamplingParams(
-        stop=tuple(message.stop), stop_token_ids=tuple(message.stop_token_ids), ignore_eos=message.ignore_eos,
-        min_tokens=message.min_tokens, include_stop_str_in_output=message.include_stop_str_in_output, **kwargs,
-    )
+    """Unset optional fields keep vLLM's defaults (an unset max_tokens: up to the context
+    length); raises ValueError on invalid values."""
+    return SamplingParams(**{"max_tokens": None, **sampling_from_proto(message)})
 
 
 def params_to_proto(params: SamplingParams) -> pb.SamplingParams:
-    message = pb.SamplingParams(
-        stop=list(params.stop), stop_token_ids=list(params.stop_token_ids), ignore_eos=params.ignore_eos,
-        min_tokens=params.min_tokens, include_stop_str_in_output=params.include_stop_str_in_output,
-    )
-    for name in _OPTIONAL:
-        value = getattr(params, name)
-        if value is not None:
-            setattr(message, name, value)
-    return message
+    return sampling_to_proto(params)
 
 
 def position_to_proto(position: PositionLogprobs | None) -> pb.PositionLogprobs:

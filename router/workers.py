@@ -117,10 +117,6 @@ class WorkerPool:
         sample = (stats.num_prompt_tokens_computed - last[1]) / (now - last[0])
         worker.prefill_rate = sample if not worker.prefill_rate else 0.7 * worker.prefill_rate + 0.3 * sample
 
-    def mark_failed(self, worker: WorkerView) -> None:
-        """A call to it failed: out of routing until its next good Stats."""
-        worker.healthy = False
-
     @property
     def is_ready(self) -> bool:
         prefill = self.routable(Role.PREFILL)
