@@ -22,9 +22,10 @@ from cluster.autoscale import PoolSize, pool_size
 from cluster.placement import MODES, choose_mode, default_worker_threads
 from engine.remote_kv import KVFailurePolicy
 from engine.step_budget import DEFAULT_MAX_STEP_MS
+from proto import worker_pb2
 from proto.rpc import Role
 
-_TRANSPORTS = {"grpc": 0, "torch": 1}  # proto KVTransport values
+_TRANSPORTS = {"grpc": worker_pb2.KV_TRANSPORT_GRPC, "torch": worker_pb2.KV_TRANSPORT_TORCH}  # --kv-transport
 
 
 def _env(name: str, default, kind=str):
