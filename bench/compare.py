@@ -290,7 +290,7 @@ def _capacity(found: Capacity) -> str:
 def capacity_table(result: CompareResult) -> str:
     """Markdown: each contender's capacity and its figures at that rate."""
     bounds = result.capacity_bounds or CapacityBounds()
-    lines = [f"| server | capacity (req/s) | lowest failing rate | rates tried (share within SLOs) | SLOs met at "
+    lines = ["| server | capacity (req/s) | lowest failing rate | rates tried (share within SLOs) | SLOs met at "
              "capacity | TTFT p90 (ms) | TPOT p90 (ms) | ITL p99 (ms) |", "|---|---|---|---|---|---|---|---|"]
     for name, found in result.capacities.items():
         tried = ", ".join(f"{rate:.3g} ({share:.0%})" for rate, share in found.tried)
@@ -420,9 +420,6 @@ def add_compare_args(compare, default_model: str) -> None:
 
 
 def run_compare(args) -> int:
-    import json
-
-    from bench import plots
     from engine.model_info import load_model_info
 
     hf_dir = str(load_model_info(args.model).model_dir)
@@ -444,8 +441,12 @@ def run_compare(args) -> int:
                                                   spec), CapacityBounds(start=args.capacity_start))
     result = compare(contenders, workloads, rates, args.seed, args.slo_tpot_ms, args.slo_ttft_ms, calibration,
                      warm_up=warm_up, capacity=search)
-    out = Path(args.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    _print_compare(args, result, contenders[0].name, capacity=search is not None)
+    _save_compare(args, result, rates, capacity=search is not None)
+    return 0
+
+
+def _print_compare(args, result: CompareResult, reference: str, capacity: bool) -> None:
     from bench.machine import describe
 
     print(f"\n{describe()}\n{args.dataset}, {args.num_prompts} requests per rate (fresh prompts at each rate), "
@@ -453,8 +454,8 @@ def run_compare(args) -> int:
           f"TPOT SLO {result.slo_tpot_ms:.1f} ms"
           + ("" if args.slo_tpot_ms else f" (3x the unloaded decode step {result.unloaded_step_ms:.1f} ms)")
           + (f", TTFT SLO {result.slo_ttft_ms:.0f} ms" if result.slo_ttft_ms else ""))
-    print(table(result, contenders[0].name))
-    if search is not None:
+    print(table(result, reference))
+    if capacity:
         print("\n" + capacity_table(result))
     for name, notes in result.notes.items():
         for note in notes:
@@ -462,6 +463,17 @@ def run_compare(args) -> int:
     print(f"each contender warmed up with {args.warm_up} unmeasured requests of the same shape; started as:")
     for name, line in result.command_lines.items():
         print(f"  {name}: {line}")
+
+
+def _save_compare(args, result: CompareResult, rates: list[float], capacity: bool) -> None:
+    """compare.json and the plots in ``--out-dir``."""
+    import json
+
+    from bench import plots
+    from bench.machine import describe
+
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
     (out / "compare.json").write_text(json.dumps({
         "machine": describe(), "dataset": args.dataset, "num_prompts": args.num_prompts, "seed": args.seed,
         "rates": rates,
@@ -473,7 +485,7 @@ def run_compare(args) -> int:
                        for name, c in result.capacities.items()},
     }, indent=2))
     plots.sweep(result.runs, out / "sweep.png", f"{args.dataset}: goodput and p99 ITL against request rate")
-    if search is None:
+    if not capacity:
         top = max(rates)
         plots.latency_cdfs({name: by_rate[top] for name, by_rate in result.runs.items()}, out / "latency_cdfs.png",
                            f"{args.dataset} at {top:g} req/s")
@@ -482,4 +494,10 @@ def run_compare(args) -> int:
         if at:
             plots.latency_cdfs(at, out / "latency_cdfs.png", f"{args.dataset}, each server at its capacity")
     print(f"results and plots in {out}/ (compare.json, sweep.png, latency_cdfs.png)")
-    return 0
+
+
+def register(commands, default_model: str) -> None:
+    compare = commands.add_parser("compare", help="one workload against tandem disagg, colocated, vLLM and "
+                                  "transformers serve, side by side")
+    add_compare_args(compare, default_model)
+    compare.set_defaults(func=run_compare)

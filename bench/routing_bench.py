@@ -80,3 +80,15 @@ def render_routing(result: RoutingResult) -> str:
             f"(hash {result.prompt_tokens // BLOCK_SIZE} blocks + one Redis round trip + pick): "
             f"p50 {result.p50_ms:.2f} ms, p99 {result.p99_ms:.2f} ms (target p99 <= 2 ms); "
             f"picked the worker holding the prefix: {result.chose_the_holder}")
+
+
+def register(commands, default_model: str) -> None:
+    routing = commands.add_parser("routing", help="latency of a prefix-aware routing decision")
+    routing.add_argument("--workers", type=int, default=16)
+    routing.add_argument("--prompt-tokens", type=int, default=4096)
+    routing.set_defaults(func=run_cli)
+
+
+def run_cli(args) -> int:
+    print(render_routing(routing_latency(args.workers, args.prompt_tokens)))
+    return 0

