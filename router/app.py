@@ -16,7 +16,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from router import errors, openapi
 from router.errors import APIError, error_response
 from router.limits import check_input_chars, check_request_id, check_token_ids
-from router.openai_api import chat_token_ids, check_chat, check_completion, prepare_chat, prepare_completion, respond
+from router.openai_api import admit, chat_token_ids, respond
 from router.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -38,20 +38,24 @@ def build_app(state: RouterState) -> FastAPI:
     openapi.install(app, state)
     app.add_middleware(_BodyLimit, max_bytes=state.config.max_body_bytes)
     app.add_middleware(_RequestContext, state=state)  # outermost: every response carries the id
+    _generation_routes(app, state)
+    _token_routes(app, state)
+    _service_routes(app, state)
+    return app
+
+
+def _generation_routes(app: FastAPI, state: RouterState) -> None:
+    async def generate(body: CompletionRequest | ChatCompletionRequest, request: Request):
+        prepared = await admit(state, body, request.state.request_id)
+        return await respond(state, prepared, body.stream)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
-        request_id = request.state.request_id
-        num_sequences = check_completion(state, body)
-        prepared = await state.admit(lambda: prepare_completion(state, body, request_id), request_id, num_sequences)
-        return await respond(state, prepared, body.stream)
+        return await generate(body, request)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
-        request_id = request.state.request_id
-        num_sequences = check_chat(state, body)
-        prepared = await state.admit(lambda: prepare_chat(state, body, request_id), request_id, num_sequences)
-        return await respond(state, prepared, body.stream)
+        return await generate(body, request)
 
     @app.get("/v1/models")
     async def models():
@@ -60,6 +64,8 @@ def build_app(state: RouterState) -> FastAPI:
                 "max_model_len": state.config.max_model_len}
         return {"object": "list", "data": [card]}
 
+
+def _token_routes(app: FastAPI, state: RouterState) -> None:
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest):
         state.check_model(body.model)
@@ -80,6 +86,8 @@ def build_app(state: RouterState) -> FastAPI:
             text = await state.run_frontend(lambda: state.tokenizer.decode(body.tokens))
         return {"prompt": text}
 
+
+def _service_routes(app: FastAPI, state: RouterState) -> None:
     @app.get("/version")
     async def version():
         return {"version": VERSION}
@@ -97,8 +105,6 @@ def build_app(state: RouterState) -> FastAPI:
     @app.get("/metrics")
     async def metrics():
         return Response(generate_latest(state.registry), media_type=CONTENT_TYPE_LATEST)
-
-    return app
 
 
 def _tokenize(state: RouterState, body: TokenizeRequest) -> list[int]:

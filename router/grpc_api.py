@@ -17,15 +17,7 @@ from proto.rpc import ERROR_PARAM_KEY
 from router.dispatch import SequenceChunk
 from router.errors import APIError, validation_message
 from router.limits import check_input_chars, check_request_id
-from router.openai_api import (
-    Choice,
-    chat_token_ids,
-    check_chat,
-    check_completion,
-    prepare_chat,
-    prepare_completion,
-    usage_of,
-)
+from router.openai_api import Choice, admit, chat_token_ids, usage_of
 from router.protocol import ChatCompletionRequest, CompletionRequest
 from router.state import RouterState
 
@@ -68,6 +60,14 @@ def _request_body(request: pb.GenerationRequest) -> dict:
     return body
 
 
+def request_model(request: pb.GenerationRequest) -> CompletionRequest | ChatCompletionRequest:
+    """The HTTP API's request model for a gRPC request: the same validation and the same
+    translation into engine parameters (pydantic's ValidationError where a field is bad)."""
+    body = _request_body(request)
+    model = ChatCompletionRequest if "messages" in body else CompletionRequest
+    return model.model_validate(body)
+
+
 class GenerationServicer(pb_grpc.GenerationServicer):
     def __init__(self, state: RouterState) -> None:
         self.state = state
@@ -93,16 +93,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         state = self.state
         try:
             request_id = check_request_id(request.request_id, "request_id") if request.request_id else uuid.uuid4().hex
-            body = _request_body(request)
-            if "messages" in body:
-                chat = ChatCompletionRequest.model_validate(body)
-                num_sequences = check_chat(state, chat)
-                prepare = lambda: prepare_chat(state, chat, request_id)  # noqa: E731
-            else:
-                completion = CompletionRequest.model_validate(body)
-                num_sequences = check_completion(state, completion)
-                prepare = lambda: prepare_completion(state, completion, request_id)  # noqa: E731
-            prepared = await state.admit(prepare, request_id, num_sequences)
+            prepared = await admit(state, request_model(request), request_id)
         except (APIError, ValidationError) as exc:
             await self._abort(context, exc)
         choices = {s.index: Choice(s.index, s.prompt_index) for s in prepared.sequences}

@@ -17,16 +17,17 @@ from proto.convert import params_to_proto
 from router.dispatch import Sequence, SequenceChunk
 from router.errors import APIError, sse_error
 from router.limits import check_sequences
-from router.protocol import ChatCompletionRequest, CompletionRequest
+from router.protocol import ChatCompletionRequest, CompletionRequest, RequestKind
 from router.request_trace import RequestTrace
 from router.state import RouterState
 
 
 @dataclass(slots=True)
-class _Prepared:
-    """A validated request, ready to dispatch."""
+class PreparedRequest:
+    """A validated, tokenized request, ready to dispatch: what both front ends (HTTP and the
+    public gRPC API) admit, stream and account for, whichever wire it came in on."""
 
-    kind: str  # "completion" | "chat"
+    kind: RequestKind
     response_id: str
     prompt_ids: list[list[int]]  # per prompt
     prompt_texts: list[str]  # per prompt (for echo)
@@ -81,7 +82,7 @@ def check_chat(state: RouterState, body: ChatCompletionRequest) -> int:
     return check_sequences(state.config.limits, 1, body.n, state.config.max_queue)
 
 
-def prepare_completion(state: RouterState, body: CompletionRequest, request_id: str) -> _Prepared:
+def prepare_completion(state: RouterState, body: CompletionRequest, request_id: str) -> PreparedRequest:
     tokenizer = state.tokenizer
     texts, ids = [], []
     for prompt in body.prompts():
@@ -92,7 +93,7 @@ def prepare_completion(state: RouterState, body: CompletionRequest, request_id: 
             texts.append(tokenizer.decode(prompt, skip_special_tokens=False))
             ids.append(list(prompt))
     prompt_logprobs = body.logprobs if body.echo and body.logprobs is not None else None
-    prepared = _Prepared("completion", f"cmpl-{request_id}", ids, texts, [], body.logprobs, echo=body.echo)
+    prepared = PreparedRequest(RequestKind.COMPLETION, f"cmpl-{request_id}", ids, texts, [], body.logprobs, echo=body.echo)
     _finish_prepare(state, body, prepared, request_id, body.max_tokens, body.logprobs, prompt_logprobs)
     return prepared
 
@@ -107,19 +108,30 @@ def chat_token_ids(state: RouterState, conversation: list[dict], add_generation_
     return text, state.tokenizer.encode(text, add_special_tokens=False)  # the template wrote its own
 
 
-def prepare_chat(state: RouterState, body: ChatCompletionRequest, request_id: str) -> _Prepared:
+def prepare_chat(state: RouterState, body: ChatCompletionRequest, request_id: str) -> PreparedRequest:
     text, ids = chat_token_ids(state, body.conversation(), body.add_generation_prompt)
     num_top = (body.top_logprobs or 0) if body.logprobs else None
-    prepared = _Prepared("chat", f"chatcmpl-{request_id}", [ids], [text], [], num_top)
+    prepared = PreparedRequest(RequestKind.CHAT, f"chatcmpl-{request_id}", [ids], [text], [], num_top)
     max_tokens = body.max_completion_tokens or body.max_tokens
     _finish_prepare(state, body, prepared, request_id, max_tokens, num_top, None)
     return prepared
 
 
-def _finish_prepare(state: RouterState, body, prepared: _Prepared, request_id: str, max_tokens: int | None,
+async def admit(state: RouterState, body: CompletionRequest | ChatCompletionRequest,
+                request_id: str) -> PreparedRequest:
+    """The one way in for both front ends: the cheap checks here, on the event loop; then a
+    place in admission; then tokenizing in the tokenizer pool."""
+    if isinstance(body, ChatCompletionRequest):
+        num_sequences, prepare = check_chat(state, body), prepare_chat
+    else:
+        num_sequences, prepare = check_completion(state, body), prepare_completion
+    return await state.admit(lambda: prepare(state, body, request_id), request_id, num_sequences)
+
+
+def _finish_prepare(state: RouterState, body, prepared: PreparedRequest, request_id: str, max_tokens: int | None,
                     logprobs: int | None, prompt_logprobs: int | None) -> None:
     limit = state.config.max_model_len
-    param = "messages" if prepared.kind == "chat" else "prompt"
+    param = "messages" if prepared.kind is RequestKind.CHAT else "prompt"
     for ids in prepared.prompt_ids:
         if not ids:
             raise APIError(400, "the prompt is empty", param)
@@ -151,7 +163,7 @@ def _finish_prepare(state: RouterState, body, prepared: _Prepared, request_id: s
 
 
 # -- answering ----------------------------------------------------------------------------------
-async def respond(state: RouterState, prepared: _Prepared, stream: bool):
+async def respond(state: RouterState, prepared: PreparedRequest, stream: bool):
     if stream:
         return StreamingResponse(_sse(state, prepared), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
@@ -165,7 +177,7 @@ async def respond(state: RouterState, prepared: _Prepared, stream: bool):
     finally:
         state.finish_request(prepared, choices.values())
     body = {
-        "id": prepared.response_id, "object": "text_completion" if prepared.kind == "completion" else "chat.completion",
+        "id": prepared.response_id, "object": "text_completion" if prepared.kind is RequestKind.COMPLETION else "chat.completion",
         "created": int(time.time()), "model": state.config.served_model_name,
         "choices": [_full_choice(prepared, c) for c in sorted(choices.values(), key=lambda c: c.index)],
         "usage": usage_of(prepared, choices.values()),
@@ -173,8 +185,8 @@ async def respond(state: RouterState, prepared: _Prepared, stream: bool):
     return JSONResponse(body)
 
 
-def _full_choice(prepared: _Prepared, choice: Choice) -> dict:
-    if prepared.kind == "chat":
+def _full_choice(prepared: PreparedRequest, choice: Choice) -> dict:
+    if prepared.kind is RequestKind.CHAT:
         return {"index": choice.index, "message": {"role": "assistant", "content": choice.text},
                 "logprobs": _chat_logprobs(choice.logprobs, prepared.num_top_logprobs),
                 "finish_reason": choice.finish_reason, "stop_reason": choice.stop_reason}
@@ -187,7 +199,7 @@ def _full_choice(prepared: _Prepared, choice: Choice) -> dict:
             "finish_reason": choice.finish_reason, "stop_reason": choice.stop_reason}
 
 
-async def _sse(state: RouterState, prepared: _Prepared) -> AsyncIterator[str]:
+async def _sse(state: RouterState, prepared: PreparedRequest) -> AsyncIterator[str]:
     choices = {s.index: Choice(s.index, s.prompt_index) for s in prepared.sequences}
     created = int(time.time())
     echoed: set[int] = set()
@@ -202,7 +214,7 @@ async def _sse(state: RouterState, prepared: _Prepared) -> AsyncIterator[str]:
             state.record_chunk(prepared, choice, item.chunk)
             event = _stream_choice(prepared, choice, item.chunk, first, echoed)
             payload = {"id": prepared.response_id, "created": created, "model": state.config.served_model_name,
-                       "object": "text_completion" if prepared.kind == "completion" else "chat.completion.chunk",
+                       "object": "text_completion" if prepared.kind is RequestKind.COMPLETION else "chat.completion.chunk",
                        "choices": [event]}
             if prepared.continuous_usage:
                 payload["usage"] = usage_of(prepared, choices.values())
@@ -210,7 +222,7 @@ async def _sse(state: RouterState, prepared: _Prepared) -> AsyncIterator[str]:
         else:
             if prepared.include_usage:
                 payload = {"id": prepared.response_id, "created": created, "model": state.config.served_model_name,
-                           "object": "text_completion" if prepared.kind == "completion" else "chat.completion.chunk",
+                           "object": "text_completion" if prepared.kind is RequestKind.COMPLETION else "chat.completion.chunk",
                            "choices": [], "usage": usage_of(prepared, choices.values())}
                 yield f"data: {json.dumps(payload)}\n\n"
         yield "data: [DONE]\n\n"
@@ -218,11 +230,11 @@ async def _sse(state: RouterState, prepared: _Prepared) -> AsyncIterator[str]:
         state.finish_request(prepared, choices.values())
 
 
-def _stream_choice(prepared: _Prepared, choice: Choice, chunk: pb.GenerateChunk, first: bool,
+def _stream_choice(prepared: PreparedRequest, choice: Choice, chunk: pb.GenerateChunk, first: bool,
                    echoed: set[int]) -> dict:
     finish = chunk.finish_reason or None
     stop = choice.stop_reason if finish else None
-    if prepared.kind == "chat":
+    if prepared.kind is RequestKind.CHAT:
         delta = {"content": chunk.text_delta}
         if first:
             delta["role"] = "assistant"
@@ -237,7 +249,7 @@ def _stream_choice(prepared: _Prepared, choice: Choice, chunk: pb.GenerateChunk,
             "logprobs": _completion_logprobs(positions, prepared.num_top_logprobs)}
 
 
-def usage_of(prepared: _Prepared, choices) -> dict:
+def usage_of(prepared: PreparedRequest, choices) -> dict:
     choices = list(choices)
     prompt_tokens = sum(len(ids) for ids in prepared.prompt_ids)
     cached = {}

@@ -9,6 +9,7 @@ as unknown."""
 
 from __future__ import annotations
 
+from enum import StrEnum
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -16,6 +17,12 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from engine.sampling_params import MAX_SEED, GenerationDefaults, SamplingParams
 from router.errors import APIError
 from router.limits import RequestLimits, check_input_chars, check_stop, check_token_ids
+
+
+class RequestKind(StrEnum):
+    COMPLETION = "completion"  # /v1/completions; gRPC text or token_ids
+    CHAT = "chat"  # /v1/chat/completions; gRPC chat
+
 
 MAX_LOGPROBS = 20
 UINT32_MAX = (1 << 32) - 1  # token counts travel as uint32 to the workers

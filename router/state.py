@@ -22,6 +22,7 @@ from proto import worker_pb2 as pb
 from router.dispatch import Dispatcher
 from router.errors import APIError
 from router.limits import RequestLimits
+from router.protocol import RequestKind
 from router.request_trace import RequestTrace
 from router.workers import WorkerPool
 from telemetry.metrics import ClusterCollector, RouterMetrics
@@ -95,7 +96,7 @@ class RouterState:
         except BaseException:
             self._set_in_flight(self.num_in_flight - num_sequences)
             raise
-        operation = "chat" if prepared.kind == "chat" else "text_completion"
+        operation = "chat" if prepared.kind is RequestKind.CHAT else "text_completion"
         trace.begin(operation, self.config.served_model_name, prepared.sequences[0].request.params,
                     len(prepared.sequences))
         prepared.trace, prepared.started = trace, trace.started
