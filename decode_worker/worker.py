@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from engine.engine_core import EngineCore, EngineCoreOutput
+from engine.engine_loop import AddRequest, NoFreeBlocks, RemoteKV
 from engine.llm import EngineArgs
 from engine.remote_kv import KVFailurePolicy
 from kv_transfer.grpc_transport import GrpcKVReceiver
@@ -60,7 +61,7 @@ class DecodeWorkerConfig:
 
 @dataclass(slots=True)
 class _Admission:
-    """What admission decided for one request (made on the engine thread)."""
+    """What admission decided for one request, and when its stages happened."""
 
     seed: int  # the sampling seed both workers use
     num_prompt_tokens: int
@@ -149,13 +150,14 @@ class DecodeWorker(pb_grpc.DecodeWorkerServicer):
         try:
             check_request_id(request_id)
             params = params_from_proto(request.params)
-            admission = await asyncio.wrap_future(self.engine_loop.call(self._admit, request_id, request, params, stream))
-            admission.received = received
+            added = await asyncio.wrap_future(self.engine_loop.add(self._add_request(request_id, request, params,
+                                                                                     stream)))
+            admission = _Admission(added.seed, added.num_prompt_tokens, added.kv_from_pos, received)
             if self.runtime.tracing is not None:
                 admission.trace_parent = extract(context.invocation_metadata())
         except ValueError as exc:
             await abort_invalid(context, exc)
-        except _NoCapacity as exc:
+        except NoFreeBlocks as exc:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         prefill = None
         if admission.kv_from_pos is not None:
@@ -197,24 +199,16 @@ class DecodeWorker(pb_grpc.DecodeWorkerServicer):
                          output.times, stages, attributes, output.error)
         return stages
 
-    def _admit(self, request_id: str, request: pb.GenerateRequest, params, stream: _Stream) -> _Admission:
-        """Engine thread: validate, then reserve blocks for remote KV or queue a local prefill."""
-        core = self.core
-        engine_request = core.make_request(request_id, list(request.prompt_token_ids), params,
-                                           request.cache_salt or None)
-        admission = _Admission(engine_request.seed, engine_request.num_prompt_tokens, None)
+    def _add_request(self, request_id: str, request: pb.GenerateRequest, params, stream: _Stream) -> AddRequest:
+        """Remote KV where the router named a prefill worker, else a local prefill."""
+        remote = None
         # prompt logprobs need the logits of every prompt position, which only a local prefill
         # computes (the prefill worker sends KV, not logits): such requests prefill here
         if request.HasField("prefill") and params.prompt_logprobs is None:
-            policy = _POLICIES.get(request.kv_failure_policy, self.config.kv_failure_policy)
-            deadline_s = request.kv_deadline_ms / 1000 or self.config.kv_deadline_s
-            admission.kv_from_pos = core.add_remote_request(engine_request, deadline_s, policy)
-            if admission.kv_from_pos is None and policy is KVFailurePolicy.FAIL:
-                raise _NoCapacity(f"no free KV blocks for a {engine_request.num_prompt_tokens}-token prompt now")
-        if admission.kv_from_pos is None:
-            core.add_request(engine_request)  # queued here like any colocated request
-        self.engine_loop.listen(request_id, stream.put)
-        return admission
+            remote = RemoteKV(request.kv_deadline_ms / 1000 or self.config.kv_deadline_s,
+                              _POLICIES.get(request.kv_failure_policy, self.config.kv_failure_policy))
+        return AddRequest(request_id, list(request.prompt_token_ids), params, stream.put,
+                          cache_salt=request.cache_salt or None, remote_kv=remote)
 
     async def _remote_prefill(self, request_id: str, request: pb.GenerateRequest, params, admission: _Admission):
         """Ask the prefill worker for the KV this worker lacks. Any failure becomes a
@@ -269,7 +263,3 @@ class DecodeWorker(pb_grpc.DecodeWorkerServicer):
 
     def stats(self) -> pb.WorkerStats:
         return self.runtime.stats(num_held_transfers=len(self.core.scheduler.waiting_for_remote_kv))
-
-
-class _NoCapacity(Exception):
-    """Admission found no free KV blocks (under the fail policy: the client is told so)."""

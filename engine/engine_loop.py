@@ -1,10 +1,10 @@
 """EngineLoop: one EngineCore built and stepped on its own thread, for workers that serve it
 from other threads (gRPC handlers, transport receivers).
 
-The core is single-threaded. Other threads reach it in exactly two ways: ``call`` runs a
-function on the engine thread between two steps and returns a Future of its result, and the
-output listener a request was added with is called (on the engine thread) with each of its
-outputs. Listeners must only hand the output over; ``after_outputs`` runs once after each
+The core is single-threaded. Other threads reach it in exactly three ways, each a Future of
+what the engine thread did between two steps: ``add`` (an ``AddRequest``: made, validated and
+queued or, for remote KV, its blocks reserved), ``abort``, and the output listener a request
+was added with, which is called (on the engine thread) with each of its outputs. Listeners must only hand the output over; ``after_outputs`` runs once after each
 batch of them (a step's, an abort's), so that a listener can queue and the hook hand the whole
 batch to another thread with one wake-up.
 
@@ -24,9 +24,12 @@ import queue
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
+from dataclasses import dataclass
 
 from engine.engine_core import EngineCore, EngineCoreOutput, ErrorScope
 from engine.llm import EngineArgs
+from engine.remote_kv import KVExport, KVFailurePolicy
+from engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +37,44 @@ OutputListener = Callable[[EngineCoreOutput], None]
 # Between steps, before scheduling: work that produces outputs off the step (remote KV
 # landing). Runs on the engine thread.
 BeforeStep = Callable[[EngineCore], list[EngineCoreOutput]]
+
+
+@dataclass(frozen=True)
+class RemoteKV:
+    """Decode role: reserve the prompt's blocks and wait at most ``deadline_s`` for its KV from
+    a prefill worker, then ``policy`` applies. With no free blocks now the request is prefilled
+    here instead, or, under the fail policy, refused (NoFreeBlocks)."""
+
+    deadline_s: float
+    policy: KVFailurePolicy
+
+
+@dataclass(frozen=True)
+class AddRequest:
+    """One request for the engine thread to make (validate) and add. Its outputs go to
+    ``listener`` until one finishes it."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    listener: OutputListener
+    cache_salt: str | None = None
+    arrival_time: float | None = None  # time.monotonic() its queue time starts at (default: now)
+    kv_export: KVExport | None = None  # prefill role: where its prompt's KV goes, layer by layer
+    remote_kv: RemoteKV | None = None  # decode role: its KV comes from a prefill worker
+
+
+@dataclass(frozen=True)
+class Added:
+    """What ``add`` decided for a request."""
+
+    seed: int  # the sampling seed (the request's, or drawn here)
+    num_prompt_tokens: int
+    kv_from_pos: int | None  # remote KV: blocks reserved, the sender starts at this position; None: computed here
+
+
+class NoFreeBlocks(Exception):
+    """Remote KV under the fail policy found no free KV blocks (the client is told so)."""
 
 
 def build_engine(args: EngineArgs) -> EngineCore:
@@ -80,25 +121,40 @@ class EngineLoop:
     def wake(self) -> None:
         self._wake.set()
 
-    def call(self, fn: Callable, *args) -> Future:
-        """Run ``fn(*args)`` on the engine thread before its next step."""
-        future: Future = Future()
-        if self._stopping or self.error is not None:
-            future.set_exception(RuntimeError("the engine loop is not running"))
-            return future
-        self._calls.put((future, fn, args))
-        self._wake.set()
-        return future
-
-    def listen(self, request_id: str, listener: OutputListener) -> None:
-        """Engine thread only (inside ``call``): route ``request_id``'s outputs to ``listener``
-        until one of them finishes it."""
-        self._listeners[request_id] = listener
+    def add(self, add: AddRequest) -> Future:
+        """Make and add a request before the next step. The Future's result: ``Added``; its
+        exception: the request's validation error (InvalidParam, a ValueError), NoFreeBlocks,
+        or RuntimeError when the loop is not running."""
+        return self._submit(self._add, add)
 
     def abort(self, request_id: str) -> Future:
         """Abort a request wherever it is; its listener gets the final ABORT output.
         The Future's result: whether the request was still here."""
-        return self.call(self._abort, request_id)
+        return self._submit(self._abort, request_id)
+
+    def _submit(self, fn: Callable, arg) -> Future:
+        future: Future = Future()
+        if self._stopping or self.error is not None:
+            future.set_exception(RuntimeError("the engine loop is not running"))
+            return future
+        self._calls.put((future, fn, arg))
+        self._wake.set()
+        return future
+
+    def _add(self, add: AddRequest) -> Added:  # engine thread
+        core = self.core
+        request = core.make_request(add.request_id, add.prompt_token_ids, add.params, add.cache_salt)
+        if add.arrival_time is not None:
+            request.arrival_time = add.arrival_time
+        kv_from_pos = None
+        if add.remote_kv is not None:
+            kv_from_pos = core.add_remote_request(request, add.remote_kv.deadline_s, add.remote_kv.policy)
+            if kv_from_pos is None and add.remote_kv.policy is KVFailurePolicy.FAIL:
+                raise NoFreeBlocks(f"no free KV blocks for a {request.num_prompt_tokens}-token prompt now")
+        if kv_from_pos is None:
+            core.add_request(request, add.kv_export)  # queued here like any colocated request
+        self._listeners[add.request_id] = add.listener
+        return Added(request.seed, request.num_prompt_tokens, kv_from_pos)
 
     def _abort(self, request_id: str) -> bool:
         output = self.core.abort_request(request_id)
@@ -158,13 +214,13 @@ class EngineLoop:
     def _run_calls(self) -> None:
         while True:
             try:
-                future, fn, args = self._calls.get_nowait()
+                future, fn, arg = self._calls.get_nowait()
             except queue.Empty:
                 return
             if not future.set_running_or_notify_cancel():
                 continue
             try:
-                future.set_result(fn(*args))
+                future.set_result(fn(arg))
             except Exception as exc:  # the caller gets it; the loop carries on
                 future.set_exception(exc)
 

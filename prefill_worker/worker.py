@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import grpc
 
 from engine.engine_core import EngineCore, EngineCoreOutput
+from engine.engine_loop import AddRequest
 from engine.llm import EngineArgs
 from engine.outputs import FinishReason
 from engine.remote_kv import KVExport, prefill_side_params
@@ -96,8 +97,10 @@ class PrefillWorker(pb_grpc.PrefillWorkerServicer):
         self._held[request.request_id] = sink
         finished: asyncio.Future = asyncio.get_running_loop().create_future()
         try:
-            await asyncio.wrap_future(self.engine_loop.call(self._admit, request, params, sink, _Notify(finished),
-                                                            received))
+            await asyncio.wrap_future(self.engine_loop.add(AddRequest(
+                request.request_id, list(request.prompt_token_ids), params, _Notify(finished),
+                cache_salt=request.cache_salt or None, arrival_time=received,  # queue time starts at the call
+                kv_export=KVExport(sink, request.kv_from_pos))))
             output = await asyncio.wait_for(finished, deadline - time.monotonic())
             if output.finish_reason not in (FinishReason.STOP, FinishReason.LENGTH):
                 await context.abort(grpc.StatusCode.ABORTED, output.error or f"prefill ended: {output.finish_reason}")
@@ -122,15 +125,6 @@ class PrefillWorker(pb_grpc.PrefillWorkerServicer):
                 self.engine_loop.abort(request.request_id)
             self._held.pop(request.request_id, None)
             sink.cancel()
-
-    def _admit(self, request: pb.PrefillRequest, params, sink: RequestSink, notify: "_Notify",
-               received: float) -> None:
-        """Engine thread."""
-        engine_request = self.core.make_request(request.request_id, list(request.prompt_token_ids), params,
-                                                request.cache_salt or None)
-        engine_request.arrival_time = received  # its queue time starts when the call arrived
-        self.core.add_request(engine_request, KVExport(sink, request.kv_from_pos))
-        self.engine_loop.listen(request.request_id, notify)
 
     def _sink(self, request: pb.PrefillRequest, timeout_s: float) -> RequestSink:
         secret = self.config.server.cluster_secret

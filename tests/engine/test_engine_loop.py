@@ -9,7 +9,7 @@ import pytest
 
 import worker_runtime.runtime as runtime_module
 from decode_worker.worker import DecodeWorker, DecodeWorkerConfig
-from engine.engine_loop import EngineLoop, build_engine
+from engine.engine_loop import AddRequest, EngineLoop, build_engine
 from engine.llm import EngineArgs
 from engine.sampling_params import SamplingParams
 from prefill_worker.worker import PrefillWorker, PrefillWorkerConfig
@@ -34,14 +34,15 @@ def test_the_core_is_built_and_stepped_on_the_engine_thread(tiny_llama_dir):
     finished = threading.Event()
     outputs = []
 
-    def add(core):
-        threads["call"] = threading.current_thread()
-        core.add_request(core.make_request("r", [1, 2, 3, 4], SamplingParams(max_tokens=5, ignore_eos=True)))
-        loop.listen("r", lambda output: (outputs.append(output), output.finish_reason and finished.set()))
+    def listener(output):
+        threads["call"] = threading.current_thread()  # where the request's step ran
+        outputs.append(output)
+        if output.finish_reason:
+            finished.set()
 
     loop.start()
     try:
-        loop.call(add, loop.core).result(30)
+        loop.add(AddRequest("r", [1, 2, 3, 4], SamplingParams(max_tokens=5, ignore_eos=True), listener)).result(30)
         assert finished.wait(60), "the request did not finish"
     finally:
         loop.stop()
@@ -110,15 +111,12 @@ def test_after_outputs_runs_once_per_batch_after_its_listeners(tiny_llama_dir):
         if output.finish_reason and output.request_id == "r2":
             finished.set()
 
-    def add(core):
-        for index in range(3):  # decoded together: one batch of three outputs per step
-            core.add_request(core.make_request(f"r{index}", [1, 2, 3, 4 + index],
-                                               SamplingParams(max_tokens=6, ignore_eos=True)))
-            loop.listen(f"r{index}", listener)
-
-    loop.start()
-    try:
-        loop.call(add, loop.core).result(30)
+    try:  # queued before the loop starts, so that its first step decodes all three together
+        added = [loop.add(AddRequest(f"r{index}", [1, 2, 3, 4 + index], SamplingParams(max_tokens=6, ignore_eos=True),
+                                     listener)) for index in range(3)]
+        loop.start()
+        for future in added:
+            future.result(30)
         assert finished.wait(60)
     finally:
         loop.stop()
