@@ -52,13 +52,6 @@ class WorkerActor:
         """A serialized WorkerStats."""
         return self.worker.stats().SerializeToString()
 
-    def arm_kv_pause(self, after_layers: int) -> None:
-        """Test hook (prefill): hold the next transfer's sender after ``after_layers`` layers."""
-        self.worker.pause.arm(after_layers)
-
-    def kv_pause_holding(self) -> bool:
-        return self.worker.pause.holding.is_set()
-
     def stop(self) -> None:
         self.worker.stop()
 

@@ -8,8 +8,8 @@ finishes (waits for the transfer to be handed over) or cancels (drops it at once
 
 from __future__ import annotations
 
-import threading
 from abc import abstractmethod
+from collections.abc import Callable
 
 import grpc
 import torch
@@ -18,7 +18,7 @@ from engine.outputs import FinishReason
 from engine.remote_kv import KVSink, PrefillTiming
 from engine.scheduler_types import SampledToken
 from kv_transfer.grpc_transport import GrpcKVSink
-from kv_transfer.session import LayerItem, LayerSend, SendItem
+from kv_transfer.session import LayerSend
 from kv_transfer.torch_dist import TorchDistKVSink
 
 
@@ -35,50 +35,11 @@ class RequestSink(KVSink):
         """Drop the transfer now; never blocks. Idempotent."""
 
 
-class FramePause:
-    """Test hook (Ray actor method ``arm_kv_pause``): the next gRPC transfer holds its sender
-    after ``after_layers`` layers of KV, as a stalled prefill worker would, until released
-    (cancel, ``release``) or its deadline. ``holding`` is set while a sender is held."""
+class GrpcRequestSink(GrpcKVSink, RequestSink):
+    """One request's Push stream on the worker's channel to its decode worker."""
 
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._after_layers: int | None = None
-        self._release = threading.Event()
-        self.holding = threading.Event()
-
-    def arm(self, after_layers: int) -> None:
-        with self._lock:
-            self._after_layers = after_layers
-            self._release.clear()
-            self.holding.clear()
-
-    def claim(self) -> int | None:
-        with self._lock:
-            after, self._after_layers = self._after_layers, None
-            return after
-
-    def hold(self, timeout_s: float) -> None:
-        self.holding.set()
-        self._release.wait(timeout_s)
-
-    def release(self) -> None:
-        self._release.set()
-
-
-class _GrpcRequestSink(GrpcKVSink, RequestSink):
-    def __init__(self, target: str, secret: str, timeout_s: float, channel: grpc.Channel, pause: FramePause):
-        self._pause = pause
-        self._hold_after = pause.claim()
-        self._num_layers = 0
+    def __init__(self, target: str, secret: str, timeout_s: float, channel: grpc.Channel) -> None:
         super().__init__(target, secret, timeout_s=timeout_s, channel=channel)
-
-    def next_item(self) -> SendItem | None:  # the sender thread
-        item = super().next_item()
-        if isinstance(item, LayerItem) and self._hold_after is not None:
-            self._num_layers += 1
-            if self._num_layers > self._hold_after:
-                self._pause.hold(self._timeout_s)
-        return item
 
     def finish(self, timeout_s: float) -> str | None:
         reply = super().finish(timeout_s)
@@ -92,15 +53,10 @@ class _GrpcRequestSink(GrpcKVSink, RequestSink):
             return "the decode worker refused it: " + "; ".join(reply.rejected.values())
         return None
 
-    def cancel(self) -> None:
-        super().cancel()
-        if self._hold_after is not None:
-            self._pause.release()
 
-
-def grpc_request_sink(target: str, secret: str, timeout_s: float, channel: grpc.Channel,
-                      pause: FramePause) -> RequestSink:
-    return _GrpcRequestSink(target, secret, timeout_s, channel, pause)
+# How a prefill worker makes a gRPC transfer's sink: (decode worker address, cluster secret,
+# timeout, channel) -> RequestSink. PrefillWorkerConfig.grpc_sink; tests give a double of it.
+GrpcSinkFactory = Callable[[str, str, float, grpc.Channel], RequestSink]
 
 
 class _PairRequestSink(RequestSink):

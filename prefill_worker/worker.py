@@ -21,12 +21,7 @@ from engine.llm import EngineArgs
 from engine.outputs import FinishReason
 from engine.remote_kv import KVExport, prefill_side_params
 from kv_transfer.torch_dist import TorchDistKVSink
-from prefill_worker.sinks import (
-    FramePause,
-    RequestSink,
-    grpc_request_sink,
-    torch_request_sink,
-)
+from prefill_worker.sinks import GrpcRequestSink, GrpcSinkFactory, RequestSink, torch_request_sink
 from prefix_index.publisher import PrefixIndexConfig
 from proto import worker_pb2 as pb
 from proto import worker_pb2_grpc as pb_grpc
@@ -46,6 +41,7 @@ class PrefillWorkerConfig:
     prefix_index: PrefixIndexConfig | None = None  # publish cached blocks to Redis
     default_deadline_s: float = 30.0  # for requests that name none
     tracing: TracingConfig | None = None  # None: tracing off
+    grpc_sink: GrpcSinkFactory = GrpcRequestSink  # makes each gRPC transfer's sink
 
     @property
     def runtime(self) -> RuntimeConfig:
@@ -63,7 +59,6 @@ class PrefillWorker(pb_grpc.PrefillWorkerServicer):
         self._torch_pairs: dict[str, TorchDistKVSink] = {}  # decode rendezvous -> pair (aio loop only)
         self._held: dict[str, RequestSink] = {}  # request id -> its transfer in flight (aio loop only)
         self.kv_bytes_sent = 0
-        self.pause = FramePause()  # test hook: hold KV frames mid-transfer (see arm)
 
     def start(self) -> str:
         """Serve, publish and step; returns host:port."""
@@ -139,7 +134,7 @@ class PrefillWorker(pb_grpc.PrefillWorkerServicer):
         channel = self._channels.get(request.kv_target)
         if channel is None:
             channel = self._channels[request.kv_target] = grpc.insecure_channel(request.kv_target, options=CHANNEL_OPTIONS)
-        return grpc_request_sink(request.kv_target, secret, timeout_s, channel, self.pause)
+        return self.config.grpc_sink(request.kv_target, secret, timeout_s, channel)
 
     async def Abort(self, request: pb.AbortRequest, context) -> pb.AbortReply:
         found = await asyncio.wrap_future(self.engine_loop.abort(request.request_id))

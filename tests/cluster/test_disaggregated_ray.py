@@ -12,6 +12,7 @@ import concurrent.futures
 import grpc
 import pytest
 
+import tests.cluster.kv_pause
 from cluster.actors import Placement, WorkerStartupError, launch_worker
 from decode_worker.worker import DecodeWorkerConfig
 from engine import SamplingParams
@@ -19,6 +20,7 @@ from engine.llm import EngineArgs
 from prefill_worker.worker import PrefillWorkerConfig
 from proto import worker_pb2 as pb
 from proto import worker_pb2_grpc as pb_grpc
+from tests.cluster.kv_pause import KVPause
 from tests.conftest import make_llm
 from tests.reference import EqualityStats, assert_same_as_engine_reference
 from tests.workers import (
@@ -42,29 +44,36 @@ PROMPTS = [
 ]
 
 
-def launch_pair(model_dir, tag: str):
+def launch_pair(model_dir, tag: str, kv_pause: KVPause):
     engine = EngineArgs(model=str(model_dir), dtype="float32", num_kv_blocks=256, max_model_len=512, num_threads=1)
     server = ServerConfig("", 0, SECRET)  # each actor serves on its node's address
-    prefill = launch_worker("prefill", PrefillWorkerConfig(engine, server), name=f"prefill-{tag}")
+    prefill = launch_worker("prefill", PrefillWorkerConfig(engine, server, grpc_sink=kv_pause), name=f"prefill-{tag}")
     decode = launch_worker("decode", DecodeWorkerConfig(engine, server, kv_deadline_s=60), name=f"decode-{tag}")
     return prefill, decode
 
 
-def running_pair(ray_cluster, model_dir, tag: str):
-    pair = launch_pair(model_dir, tag)
+def running_pair(ray_cluster, model_dir, tag: str, kv_pause: KVPause):
+    pair = launch_pair(model_dir, tag, kv_pause)
     yield pair
     for handle in pair:
         ray_cluster.kill(handle.actor, no_restart=True)
 
 
 @pytest.fixture(scope="module")
-def smollm_pair(ray_cluster, smollm_dir):
-    yield from running_pair(ray_cluster, smollm_dir, "smollm")
+def kv_pause(ray_cluster, tmp_path_factory) -> KVPause:
+    """Holds the smollm prefill worker's next gRPC transfer mid-stream once armed."""
+    ray_cluster.cloudpickle.register_pickle_by_value(tests.cluster.kv_pause)  # the actor gets the double's code
+    return KVPause(str(tmp_path_factory.mktemp("kv-pause")))
 
 
 @pytest.fixture(scope="module")
-def tiny_pair(ray_cluster, tiny_llama_dir):
-    yield from running_pair(ray_cluster, tiny_llama_dir, "tiny")
+def smollm_pair(ray_cluster, smollm_dir, kv_pause):
+    yield from running_pair(ray_cluster, smollm_dir, "smollm", kv_pause)
+
+
+@pytest.fixture(scope="module")
+def tiny_pair(ray_cluster, tiny_llama_dir, tmp_path_factory):
+    yield from running_pair(ray_cluster, tiny_llama_dir, "tiny", KVPause(str(tmp_path_factory.mktemp("tiny-pause"))))
 
 
 @pytest.fixture(scope="module")
@@ -139,10 +148,10 @@ def test_logprobs_stream_from_both_workers(smollm_pair, llm):
             assert entry.decoded_token == expected[entry.token_id].decoded_token
 
 
-def test_stalled_transfer_hits_the_deadline_and_frees_both_sides(smollm_pair, llm, ray_cluster):
+def test_stalled_transfer_hits_the_deadline_and_frees_both_sides(smollm_pair, llm, ray_cluster, kv_pause):
     prefill, decode = smollm_pair
     ids = llm.get_tokenizer().encode("[stalled] " + PROMPTS[3])
-    ray_cluster.get(prefill.actor.arm_kv_pause.remote(3), timeout=30)
+    kv_pause.arm(3)
     request = generate_request("stalled", ids, SamplingParams(max_tokens=4), prefill.address)
     request.kv_deadline_ms = 3000  # the stalled sender never finishes: the decode worker gives up
     with pytest.raises(grpc.RpcError) as info:
@@ -214,14 +223,14 @@ def test_worker_ports_answer_grpc_health_probes_without_the_secret(smollm_pair):
             assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
 
 
-def test_abort_during_prefill_and_during_decode_frees_both_sides(smollm_pair, llm, ray_cluster):
+def test_abort_during_prefill_and_during_decode_frees_both_sides(smollm_pair, llm, ray_cluster, kv_pause):
     prefill, decode = smollm_pair
     ids = llm.get_tokenizer().encode("[abort] " + PROMPTS[3])
-    ray_cluster.get(prefill.actor.arm_kv_pause.remote(3), timeout=30)
+    kv_pause.arm(3)
     stub = decode_stub(decode.address)
     call = stub.Generate(generate_request("ab-prefill", ids, SamplingParams(max_tokens=8), prefill.address),
                          metadata=METADATA, timeout=120)
-    wait_until(lambda: ray_cluster.get(prefill.actor.kv_pause_holding.remote(), timeout=30), what="the held transfer")
+    wait_until(kv_pause.holding, what="the held transfer")
     assert decode.stats().num_waiting_for_remote_kv == 1
     call.cancel()  # the client goes away while the prompt's KV is in flight
     wait_until(lambda: decode.stats().num_free_kv_blocks == decode.stats().num_kv_blocks, what="decode blocks")
@@ -241,17 +250,17 @@ def test_abort_during_prefill_and_during_decode_frees_both_sides(smollm_pair, ll
 
 
 @pytest.mark.parametrize("policy", ["recompute", "fail"])
-def test_prefill_worker_killed_mid_transfer(policy, smollm_pair, llm, ray_cluster):
+def test_prefill_worker_killed_mid_transfer(policy, smollm_pair, llm, ray_cluster, kv_pause):
     prefill, decode = smollm_pair
     ids = llm.get_tokenizer().encode(f"[killed-{policy}] " + PROMPTS[3])
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
-    ray_cluster.get(prefill.actor.arm_kv_pause.remote(4), timeout=30)
+    kv_pause.arm(4)
     before = decode.stats()
     grpc_policy = pb.KV_FAILURE_POLICY_RECOMPUTE if policy == "recompute" else pb.KV_FAILURE_POLICY_FAIL
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         pending = pool.submit(generate, decode.address,
                               generate_request(f"killed-{policy}", ids, params, prefill.address, policy=grpc_policy))
-        wait_until(lambda: ray_cluster.get(prefill.actor.kv_pause_holding.remote(), timeout=30), what="the stall")
+        wait_until(kv_pause.holding, what="the stall")
         wait_until(lambda: decode.stats().kv_bytes_received > before.kv_bytes_received, what="partial KV")
         ray_cluster.kill(prefill.actor, no_restart=False)  # Ray restarts it
         if policy == "recompute":
@@ -277,14 +286,14 @@ def test_worker_not_ready_in_time_is_a_clear_error(ray_cluster, smollm_dir):
         launch_worker("prefill", config, Placement(num_cpus=64, ready_timeout_s=2))  # no node has 64 CPUs
 
 
-def test_decode_worker_killed_leaves_nothing_held_on_the_prefill_worker(smollm_pair, llm, ray_cluster):
+def test_decode_worker_killed_leaves_nothing_held_on_the_prefill_worker(smollm_pair, llm, ray_cluster, kv_pause):
     prefill, decode = smollm_pair
     ids = llm.get_tokenizer().encode("[decode-killed] " + PROMPTS[3])
-    ray_cluster.get(prefill.actor.arm_kv_pause.remote(2), timeout=30)
+    kv_pause.arm(2)
     stub = decode_stub(decode.address)
     call = stub.Generate(generate_request("orphan", ids, SamplingParams(max_tokens=4), prefill.address, policy=0),
                          metadata=METADATA, timeout=120)
-    wait_until(lambda: ray_cluster.get(prefill.actor.kv_pause_holding.remote(), timeout=30), what="the held transfer")
+    wait_until(kv_pause.holding, what="the held transfer")
     assert prefill.stats().num_held_transfers == 1
     ray_cluster.kill(decode.actor, no_restart=False)  # nobody will collect this KV now
     with pytest.raises(grpc.RpcError):
