@@ -114,17 +114,30 @@ def _tokenize(state: RouterState, body: TokenizeRequest) -> list[int]:
     return chat_token_ids(state, conversation, body.add_generation_prompt)[1]
 
 
-class _RequestContext:
-    """X-Request-Id in and out, the API key, and one structured log line per request. Plain
-    ASGI (not BaseHTTPMiddleware): streamed chunks pass straight through."""
+class _HTTPMiddleware:
+    """Plain ASGI middleware (not BaseHTTPMiddleware, so that streamed chunks pass straight
+    through) that sees HTTP requests only; the rest (lifespan) goes by untouched."""
 
-    def __init__(self, app, state: RouterState) -> None:
+    def __init__(self, app) -> None:
         self.app = app
-        self.state = state
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        return await self.http(scope, receive, send)
+
+    async def http(self, scope, receive, send) -> None:
+        raise NotImplementedError
+
+
+class _RequestContext(_HTTPMiddleware):
+    """X-Request-Id in and out, the API key, and one structured log line per request."""
+
+    def __init__(self, app, state: RouterState) -> None:
+        super().__init__(app)
+        self.state = state
+
+    async def http(self, scope, receive, send) -> None:
         headers = dict(scope.get("headers", ()))
         given, request_id, refused = headers.get(b"x-request-id"), uuid.uuid4().hex, None
         if given is not None:
@@ -155,16 +168,14 @@ class _RequestContext:
                                     "status": status[0], "seconds": round(elapsed, 4)}))
 
 
-class _BodyLimit:
+class _BodyLimit(_HTTPMiddleware):
     """413 for bodies over the limit, whether or not they declare a Content-Length."""
 
     def __init__(self, app, max_bytes: int) -> None:
-        self.app = app
+        super().__init__(app)
         self.max_bytes = max_bytes
 
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
+    async def http(self, scope, receive, send) -> None:
         declared = dict(scope.get("headers", ())).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
             return await self._too_large(send)
