@@ -11,13 +11,23 @@ prompts; disaggregation keeps only its lower ITL and, under long prompts, a high
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import StrEnum
 
-MODES = ("auto", "disagg", "colocated")
+
+class Mode(StrEnum):
+    """``--mode``: the cluster's shape."""
+
+    AUTO = "auto"  # resolved by choose_mode to one of the others
+    DISAGG = "disagg"  # prefill and decode pools
+    COLOCATED = "colocated"  # decode workers prefill too
+
+
+MODES = tuple(mode.value for mode in Mode)
 
 
 @dataclass(frozen=True)
 class ModeChoice:
-    mode: str  # "disagg" | "colocated"
+    mode: Mode  # DISAGG or COLOCATED
     reason: str  # one line for `tandem serve` to print
 
 
@@ -33,17 +43,17 @@ def choose_mode(requested: str, nodes: list[dict], cluster_gpus: float, prefill_
     """``requested`` unless it is ``auto``; then disagg where the workers would not share
     compute (more than one node can hold them, or every worker gets a whole GPU of its own),
     else colocated."""
-    if requested != "auto":
-        return ModeChoice(requested, f"--mode {requested}")
+    if Mode(requested) is not Mode.AUTO:
+        return ModeChoice(Mode(requested), f"--mode {requested}")
     hosts = worker_nodes(nodes)
     if len(hosts) > 1:
-        return ModeChoice("disagg", f"auto: {len(hosts)} Ray nodes can hold workers, so prefill and decode "
+        return ModeChoice(Mode.DISAGG, f"auto: {len(hosts)} Ray nodes can hold workers, so prefill and decode "
                                     "workers need not share cores")
     wanted = prefill_workers * prefill_gpus + decode_workers * decode_gpus
     if prefill_gpus >= 1 and decode_gpus >= 1 and cluster_gpus >= wanted:
-        return ModeChoice("disagg", f"auto: every worker gets a GPU of its own ({cluster_gpus:g} in the cluster)")
+        return ModeChoice(Mode.DISAGG, f"auto: every worker gets a GPU of its own ({cluster_gpus:g} in the cluster)")
     where = "one GPU" if cluster_gpus and (prefill_gpus or decode_gpus) else "one node's CPU cores"
-    return ModeChoice("colocated", f"auto: prefill and decode workers would share {where}; one colocated "
+    return ModeChoice(Mode.COLOCATED, f"auto: prefill and decode workers would share {where}; one colocated "
                                    "worker prefills in time-bounded chunks beside its decoding streams")
 
 
@@ -52,7 +62,7 @@ def default_worker_threads(mode: str, nodes: list[dict], decode_workers: int) ->
     node shares that node's CPUs; disaggregated workers take one each (the Helm chart and
     multi-node deployments set their own)."""
     hosts = worker_nodes(nodes)
-    if mode != "colocated" or len(hosts) != 1:
+    if Mode(mode) is not Mode.COLOCATED or len(hosts) != 1:
         return 1
     cpus = int(hosts[0].get("Resources", {}).get("CPU", 1))
     return max(1, cpus // max(1, decode_workers))

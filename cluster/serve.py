@@ -22,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
 from cluster.autoscale import PoolSize
-from cluster.placement import choose_mode, default_worker_threads
+from cluster.placement import Mode, choose_mode, default_worker_threads
 from cluster.serve_config import ServeConfig, add_serve_arguments, cluster_secret
 from engine.remote_kv import KVFailurePolicy
 from proto.rpc import Role
@@ -61,7 +61,7 @@ class PlanError(ValueError):
 class ServePlan:
     """What `tandem serve` derived from its config and the cluster it found."""
 
-    mode: str  # "disagg" | "colocated"; auto resolved
+    mode: Mode  # DISAGG or COLOCATED (auto resolved)
     worker_threads: int
     gpus: Mapping[Role, float]  # per worker of each role
     sizes: Mapping[Role, PoolSize]  # the pools this mode runs
@@ -135,7 +135,7 @@ class ServeCluster:
             threads = default_worker_threads(choice.mode, nodes, config.decode_workers.min)
         say(f"mode: {choice.mode} ({choice.reason}); {threads} torch thread(s) per worker")
         sizes = {Role.DECODE: config.decode_workers}
-        if choice.mode == "disagg":
+        if choice.mode is Mode.DISAGG:
             sizes[Role.PREFILL] = config.prefill_workers
         say("workers: " + ", ".join(
             f"{role} {'on ' + format(gpus[role], 'g') + ' GPU each' if gpus[role] else 'on the CPU'}"
