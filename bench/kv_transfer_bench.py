@@ -16,7 +16,7 @@ from kv_transfer.grpc_transport import GrpcKVReceiver, GrpcKVSink
 from kv_transfer.inbox import EngineInbox
 from kv_transfer.torch_dist import TorchDistKVReceiver, TorchDistKVSink
 from kv_transfer.wire import MAX_CHUNK_BYTES
-from proto.rpc import CHANNEL_OPTIONS
+from proto.rpc import CHANNEL_OPTIONS, SERVER_OPTIONS
 from worker_runtime.server import ServerConfig, WorkerServer
 
 SECRET = "bench-secret"
@@ -67,8 +67,7 @@ def _bare_grpc(kv: torch.Tensor) -> float:
             received[0] += len(message)
         return b"ok"
 
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2),
-                         options=CHANNEL_OPTIONS)
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2), options=SERVER_OPTIONS)
     handler = grpc.method_handlers_generic_handler(
         "tandem.bench.Bare", {"Push": grpc.stream_unary_rpc_method_handler(push)})
     server.add_generic_rpc_handlers((handler,))

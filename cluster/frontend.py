@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import uvicorn
 
@@ -68,6 +69,9 @@ class Frontend:
         self.public_grpc: PublicGrpcServer | None = None  # made on the serving loop (grpc.aio binds to it)
         self.server: DrainingServer | None = None
         self._sweeping: asyncio.Task | None = None
+        self._rediscovering: asyncio.Task | None = None
+        self._lookups = ThreadPoolExecutor(2, thread_name_prefix="rediscover")  # blocking Ray calls
+        self._looking: set[str] = set()  # addresses being looked up now
 
     def run(self) -> None:
         try:
@@ -113,10 +117,32 @@ class Frontend:
         if self.index is not None:
             await self.index.start()
             self._sweeping = asyncio.create_task(_sweep_forever(self.index, self.pool))
+        self._rediscovering = asyncio.create_task(self._rediscover_forever())
         if not self.state.draining:
             await self.public_grpc.set_serving(True)
             say(f"ready: http://{self.config.host}:{self.config.port}/v1 and grpc {self.config.host}:"
                  f"{self.public_grpc.port} serving {self.state.config.served_model_name} ({self.plan.mode})")
+
+    async def _rediscover_forever(self, every_s: float = 1.0, lookup_timeout_s: float = 20.0) -> None:
+        """A worker out of routing is looked up again through its Ray actor; where Ray
+        restarted it on a new port, the new address replaces the old in routing (it takes
+        requests once its first Stats answers)."""
+        while True:
+            await asyncio.sleep(every_s)
+            for view in self.pool.decode + self.pool.prefill:
+                if not view.healthy and view.failures and view.address not in self._looking:
+                    self._looking.add(view.address)
+                    asyncio.create_task(self._rediscover(view, lookup_timeout_s))
+
+    async def _rediscover(self, view, timeout_s: float) -> None:
+        try:
+            found = await asyncio.get_running_loop().run_in_executor(
+                self._lookups, self.workers.rediscover, view.address, timeout_s)
+        finally:
+            self._looking.discard(view.address)
+        if found is not None and found != view.address and view in self.pool.views(view.role):
+            self.pool.replace_worker(view, found)
+            say(f"{view.role} worker {view.address} restarted at {found}")
 
     def drain(self) -> None:
         """No new requests (/ready false, gRPC health NOT_SERVING, the pools fixed); those in
@@ -150,6 +176,9 @@ class Frontend:
         await self.pool.stop()
         if self._sweeping is not None:
             self._sweeping.cancel()
+        if self._rediscovering is not None:
+            self._rediscovering.cancel()
+        self._lookups.shutdown(wait=False, cancel_futures=True)
         if self.index is not None:
             await self.index.close()
 

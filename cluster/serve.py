@@ -278,5 +278,22 @@ class WorkerLauncher:
             raise errors[0]
         say(f"workers ready in {time.monotonic() - began:.1f} s")
 
+    def rediscover(self, address: str, timeout_s: float) -> str | None:
+        """Where the worker last seen at ``address`` serves now: Ray restarts a worker that
+        died, on a new port. Blocks until its actor answers (at most ``timeout_s``); None if it
+        does not (still loading, stopped, or out of restarts: asked again later)."""
+        from cluster.actors import WorkerStartupError
+
+        handle = self.handles.get(address)
+        if handle is None:
+            return None
+        try:
+            found = handle.refresh(timeout_s)
+        except WorkerStartupError:
+            return None
+        if found != address:
+            self.handles[found] = self.handles.pop(address)
+        return found
+
     def addresses(self, role: Role) -> list[str]:
         return [handle.address for handle in self.handles.values() if handle.role == role]

@@ -25,7 +25,7 @@ from router.errors import APIError
 from router.policy import RouteRequest
 from router.recent_routes import RecentRoutes
 from router.request_trace import SequenceTrace
-from router.workers import Assignment, WorkerPool
+from router.workers import Assignment, WorkerPool, WorkerView
 
 _RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN,
               grpc.StatusCode.DEADLINE_EXCEEDED}
@@ -53,10 +53,16 @@ class SequenceFailed:
     error: APIError
 
 
+def _scope(exc: grpc.aio.AioRpcError) -> str | None:
+    """The engine's ErrorScope value a worker sent with its error; None: the error did not
+    come from a worker's engine (the worker could not be reached, or its server failed)."""
+    return dict(exc.trailing_metadata() or ()).get(ERROR_SCOPE_KEY)
+
+
 def _is_own_fault(exc: grpc.aio.AioRpcError) -> bool:
     """The request failed for a reason of its own (the engine says so): another worker
     would fail it the same way, so it is not retried."""
-    return (ERROR_SCOPE_KEY, ErrorScope.REQUEST.value) in tuple(exc.trailing_metadata() or ())
+    return _scope(exc) == ErrorScope.REQUEST.value
 
 
 def api_error(exc: grpc.aio.AioRpcError) -> APIError:
@@ -68,7 +74,8 @@ class Dispatcher:
     def __init__(self, pool: WorkerPool, kv_transport: int, local_prefill_max_tokens: int = 0,
                  index: PrefixIndex | None = None, on_decision: Callable[[str], None] = lambda decision: None) -> None:
         self.pool = pool
-        self._on_decision = on_decision  # "remote" | "local" | "retry" | "fallback" (metrics)
+        # "remote" | "local" | "local_fallback" (no prefill worker) | "retry" | "fallback" (no index answer)
+        self._on_decision = on_decision
         self.index = index  # None: no prefix index (route by load)
         self.recent = RecentRoutes()  # prefixes on their way to workers, not yet in the index
         self.kv_transport = kv_transport
@@ -99,12 +106,21 @@ class Dispatcher:
                     yield chunk
                 return
             except grpc.aio.AioRpcError as exc:
+                failed = self._failed_worker(exc, assignment)
                 if started or attempt == 1 or exc.code() not in _RETRYABLE or _is_own_fault(exc):
                     raise api_error(exc) from None
                 self._on_decision("retry")
-                tried.add(assignment.decode.address)
-                if assignment.prefill is not None:
-                    tried.add(assignment.prefill.address)
+                tried.add(failed.address)  # only that one: the other worker of the pair may serve the retry
+
+    def _failed_worker(self, exc: grpc.aio.AioRpcError, assignment: Assignment) -> WorkerView:
+        """Which worker a failure before the first token was: the prefill worker where the
+        decode worker says its KV transfer failed, else the decode worker, which leaves
+        routing at once where the call did not reach it (no answer from its server)."""
+        if assignment.prefill is not None and _scope(exc) == ErrorScope.KV_TRANSFER.value:
+            return assignment.prefill
+        if exc.code() == grpc.StatusCode.UNAVAILABLE and _scope(exc) is None:
+            self.pool.mark_unreachable(assignment.decode, exc.details())
+        return assignment.decode
 
     async def route(self, request: pb.GenerateRequest) -> RouteRequest:
         """What the prefix index says about this prompt: each worker's leading cached tokens."""
@@ -137,7 +153,7 @@ class Dispatcher:
         missing = num_prompt - (route.indexed_hits or {}).get(decode.address, 0)
         if missing <= self.local_prefill_max_tokens or request.params.HasField("prompt_logprobs"):
             prefill = None  # short, or needs prompt logprobs (computed only where the prompt is prefilled)
-        self._on_decision("local" if prefill is None else "remote")
+        self._on_decision("local_fallback" if assignment.prefill_lost else "local" if prefill is None else "remote")
         trace.attempts += 1
         trace.decode, trace.prefill = decode.address, prefill.address if prefill else None
         if prefill is not None:

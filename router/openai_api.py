@@ -93,7 +93,8 @@ def prepare_completion(state: RouterState, body: CompletionRequest, request_id: 
             texts.append(tokenizer.decode(prompt, skip_special_tokens=False))
             ids.append(list(prompt))
     prompt_logprobs = body.logprobs if body.echo and body.logprobs is not None else None
-    prepared = PreparedRequest(RequestKind.COMPLETION, f"cmpl-{request_id}", ids, texts, [], body.logprobs, echo=body.echo)
+    prepared = PreparedRequest(RequestKind.COMPLETION, f"cmpl-{request_id}", ids, texts, [], body.logprobs,
+                               echo=body.echo)
     _finish_prepare(state, body, prepared, request_id, body.max_tokens, body.logprobs, prompt_logprobs)
     return prepared
 
@@ -177,7 +178,7 @@ async def respond(state: RouterState, prepared: PreparedRequest, stream: bool):
     finally:
         state.finish_request(prepared, choices.values())
     body = {
-        "id": prepared.response_id, "object": "text_completion" if prepared.kind is RequestKind.COMPLETION else "chat.completion",
+        "id": prepared.response_id, "object": _object_name(prepared, streamed=False),
         "created": int(time.time()), "model": state.config.served_model_name,
         "choices": [_full_choice(prepared, c) for c in sorted(choices.values(), key=lambda c: c.index)],
         "usage": usage_of(prepared, choices.values()),
@@ -214,7 +215,7 @@ async def _sse(state: RouterState, prepared: PreparedRequest) -> AsyncIterator[s
             state.record_chunk(prepared, choice, item.chunk)
             event = _stream_choice(prepared, choice, item.chunk, first, echoed)
             payload = {"id": prepared.response_id, "created": created, "model": state.config.served_model_name,
-                       "object": "text_completion" if prepared.kind is RequestKind.COMPLETION else "chat.completion.chunk",
+                       "object": _object_name(prepared, streamed=True),
                        "choices": [event]}
             if prepared.continuous_usage:
                 payload["usage"] = usage_of(prepared, choices.values())
@@ -222,7 +223,7 @@ async def _sse(state: RouterState, prepared: PreparedRequest) -> AsyncIterator[s
         else:
             if prepared.include_usage:
                 payload = {"id": prepared.response_id, "created": created, "model": state.config.served_model_name,
-                           "object": "text_completion" if prepared.kind is RequestKind.COMPLETION else "chat.completion.chunk",
+                           "object": _object_name(prepared, streamed=True),
                            "choices": [], "usage": usage_of(prepared, choices.values())}
                 yield f"data: {json.dumps(payload)}\n\n"
         yield "data: [DONE]\n\n"
@@ -247,6 +248,13 @@ def _stream_choice(prepared: PreparedRequest, choice: Choice, chunk: pb.Generate
         positions = list(chunk.prompt_logprobs) + positions
     return {"index": choice.index, "text": text, "finish_reason": finish, "stop_reason": stop,
             "logprobs": _completion_logprobs(positions, prepared.num_top_logprobs)}
+
+
+def _object_name(prepared: PreparedRequest, streamed: bool) -> str:
+    """OpenAI's ``object`` of a response (streamed: of each of its chunks)."""
+    if prepared.kind is RequestKind.COMPLETION:
+        return "text_completion"
+    return "chat.completion.chunk" if streamed else "chat.completion"
 
 
 def usage_of(prepared: PreparedRequest, choices) -> dict:

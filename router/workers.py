@@ -22,7 +22,8 @@ logger = logging.getLogger(__name__)
 @dataclass(frozen=True, slots=True)
 class Assignment:
     decode: WorkerView
-    prefill: WorkerView | None  # None: the decode worker prefills (colocated)
+    prefill: WorkerView | None  # None: the decode worker prefills (colocated, or no prefill worker serves)
+    prefill_lost: bool = False  # the pool has prefill workers, but none that can take it: a local fallback
 
 
 class WorkerPool:
@@ -46,6 +47,22 @@ class WorkerPool:
     def views(self, role: Role) -> list[WorkerView]:
         """The role's workers, draining ones included (the pool's own list)."""
         return self.decode if role == Role.DECODE else self.prefill
+
+    def replace_worker(self, worker: WorkerView, address: str) -> WorkerView:
+        """The same worker, restarted at a new address (Ray restarted its actor): the old view
+        leaves routing, a new one joins once its first Stats answers."""
+        self.remove_worker(worker)
+        view = WorkerView(worker.role, address)
+        self.views(worker.role).append(view)
+        return view
+
+    def mark_unreachable(self, worker: WorkerView, why: object) -> None:
+        """A call could not reach the worker: out of routing now, not after three polls; the
+        next Stats it answers brings it back."""
+        if worker.healthy:
+            logger.warning("%s worker %s is out of routing: %s", worker.role, worker.address, why)
+        worker.healthy = False
+        worker.failures = max(worker.failures, self.failures_to_drop)
 
     def remove_worker(self, worker: WorkerView) -> None:
         """A worker that left (drained, then stopped): out of routing, health polls and metrics."""
@@ -119,18 +136,17 @@ class WorkerPool:
 
     @property
     def is_ready(self) -> bool:
-        prefill = self.routable(Role.PREFILL)
-        return any(w.healthy for w in self.routable(Role.DECODE)) and (not prefill or any(w.healthy for w in prefill))
+        """Any decode worker serves: without a prefill worker, decode workers prefill locally."""
+        return any(w.healthy for w in self.routable(Role.DECODE))
 
     # -- dispatch -----------------------------------------------------------------------------
     def assign(self, exclude: frozenset[str] = frozenset(), route: RouteRequest | None = None) -> Assignment | None:
-        """A decode worker and (disaggregated) a prefill worker, avoiding ``exclude`` addresses."""
+        """A decode worker and (disaggregated) a prefill worker, avoiding ``exclude`` addresses;
+        with no prefill worker that can take it, the decode worker alone (it prefills locally)."""
         decode = self._policy.pick(self.routable(Role.DECODE, exclude), route)
         if decode is None:
             return None
         if not self.routable(Role.PREFILL):
             return Assignment(decode, None)
         prefill = self._policy.pick(self.routable(Role.PREFILL, exclude), route)
-        if prefill is None:
-            return None
-        return Assignment(decode, prefill)
+        return Assignment(decode, prefill, prefill_lost=prefill is None)

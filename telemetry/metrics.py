@@ -47,7 +47,8 @@ class RouterMetrics:
                                      "to last message landing on the decode worker (overlaps the prefill)",
                                      buckets=TTFT_BUCKETS, registry=registry)
         self.decisions = Counter("tandem:routing_decisions", "Dispatch decisions: remote or local prefill, "
-                                 "retry on another pair, fallback to load routing", ["decision"], registry=registry)
+                                 "local_fallback (no prefill worker serves: the decode worker prefills), retry "
+                                 "on another worker, fallback to load routing", ["decision"], registry=registry)
 
 
 class ClusterCollector:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from proto.rpc import CHANNEL_OPTIONS, SECRET_METADATA_KEY
+from proto.rpc import SECRET_METADATA_KEY, SERVER_OPTIONS
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,7 +89,7 @@ class WorkerServer:
 
     async def _start(self) -> int:
         self._server = grpc.aio.server(interceptors=[_SecretCheck(self.config.cluster_secret)],
-                                       options=CHANNEL_OPTIONS)
+                                       options=SERVER_OPTIONS)
         self._register(self._server)
         # the standard health service, for gRPC probes on the worker port (Kubernetes, grpc_health_probe)
         self.health = health.aio.HealthServicer()

@@ -25,7 +25,7 @@ from router.policy import (
     make_policy,
 )
 from router.workers import WorkerPool
-from tests.workers import SECRET
+from tests.workers import SECRET, wait_all_free
 from worker_runtime.server import ServerConfig
 
 
@@ -159,3 +159,61 @@ def test_a_request_s_own_error_is_not_retried():
     assert _is_own_fault(Failed([("tandem-error-scope", "request")]))
     assert not _is_own_fault(Failed([("tandem-error-scope", "step")]))
     assert not _is_own_fault(Failed([]))
+
+
+def pool_with_prefill(decode_address: str, prefill_address: str, prefill_healthy: bool = True) -> WorkerPool:
+    pool = WorkerPool([decode_address], [prefill_address], SECRET, RoundRobinPolicy())
+    pool.decode[0].healthy = True
+    pool.prefill[0].healthy = prefill_healthy  # as their last Stats said
+    return pool
+
+
+def run_with_decisions(pool: WorkerPool, prompt_ids: list[int], policy=pb.KV_FAILURE_POLICY_FAIL):
+    params = params_to_proto(SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    request = pb.GenerateRequest(request_id="fallback", prompt_token_ids=prompt_ids, params=params,
+                                 kv_failure_policy=policy)
+    decisions = []
+
+    async def collect():
+        dispatcher = Dispatcher(pool, pb.KV_TRANSPORT_GRPC, on_decision=decisions.append)
+        tokens = [t async for chunk in dispatcher.stream(Sequence(0, 0, request)) for t in chunk.token_ids]
+        await pool.stop()
+        return tokens
+
+    return asyncio.run(collect()), decisions
+
+
+def test_with_no_prefill_worker_serving_the_decode_worker_prefills_locally(decode_worker, llm):
+    """DESIGN.md's failure rules: degraded, not down. The pool stays ready on its decode
+    worker alone, and the request is counted as a local fallback."""
+    ids = llm.get_tokenizer().encode("The river runs")
+    pool = pool_with_prefill(decode_worker.address, f"127.0.0.1:{free_port()}", prefill_healthy=False)
+    assert pool.is_ready
+    computed_before = decode_worker.stats().num_prompt_tokens_computed
+    tokens, decisions = run_with_decisions(pool, ids)
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    assert tokens == llm.generate({"prompt_token_ids": ids}, params)[0].outputs[0].token_ids
+    assert decisions == ["local_fallback"]
+    assert decode_worker.stats().num_prompt_tokens_computed - computed_before == len(ids)
+
+
+def test_a_failed_transfer_is_retried_without_the_prefill_worker_only(decode_worker, llm):
+    """The prefill worker is unreachable but still looks healthy (its polls have not failed
+    yet): under the fail policy the decode worker fails the transfer; the retry excludes only
+    the prefill worker, so the same decode worker serves it with a local prefill."""
+    ids = llm.get_tokenizer().encode("A short walk in the hills")
+    pool = pool_with_prefill(decode_worker.address, f"127.0.0.1:{free_port()}")
+    tokens, decisions = run_with_decisions(pool, ids)
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    assert tokens == llm.generate({"prompt_token_ids": ids}, params)[0].outputs[0].token_ids
+    assert decisions == ["remote", "retry", "local_fallback"]
+    wait_all_free(decode_worker.stats)
+
+
+def test_an_unreachable_decode_worker_leaves_routing_at_once(decode_worker, llm):
+    dead = f"127.0.0.1:{free_port()}"
+    pool = healthy_pool([dead, decode_worker.address])  # round-robin tries the dead one first
+    run_sequence(pool, llm.get_tokenizer().encode("The sea is"))
+    by_address = {w.address: w for w in pool.decode}
+    assert not by_address[dead].healthy and by_address[dead].failures >= pool.failures_to_drop
+    assert by_address[decode_worker.address].healthy

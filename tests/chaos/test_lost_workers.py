@@ -1,0 +1,127 @@
+"""A live `tandem serve` (disagg: one prefill and one decode worker, real Ray actors) whose
+worker processes are SIGKILLed from outside, as an OOM killer or a crash would: requests keep
+their answers or get an OpenAI-shaped error (never a hang or wrong tokens), Ray's restarted
+worker is found at its new address and takes traffic again, and no KV block stays held.
+
+How fast is a benchmark figure (issue 22's `tandem bench chaos`), not an assertion here; the
+waits below are deadlines only."""
+
+from __future__ import annotations
+
+import re
+import signal
+import time
+
+import httpx
+import psutil
+import pytest
+
+from tests.router.conftest import start_server
+from tests.workers import wait_until
+
+MODEL = "smollm2-135m-instruct"
+
+
+@pytest.fixture(scope="module")
+def server(smollm_dir):
+    """Every prompt through the prefill worker while there is one (the path under test)."""
+    server = start_server(smollm_dir, "disagg", "--local-prefill-max-tokens", "0")
+    yield server
+    server.stop()
+
+
+def worker_addresses(server, role: str) -> list[str]:
+    """The role's workers in the router's pool, from /metrics."""
+    text = httpx.get(f"{server.base_url}/metrics", timeout=10).text
+    return sorted(set(re.findall(rf'^tandem:worker_num_kv_blocks\{{address="([^"]+)",role="{role}"\}}', text, re.M)))
+
+
+def worker_process(server, address: str) -> psutil.Process:
+    """The process listening on a worker's port (a Ray actor under `tandem serve`)."""
+    port = int(address.rsplit(":", 1)[1])
+    for process in server.descendants():
+        try:
+            if any(c.status == psutil.CONN_LISTEN and c.laddr.port == port for c in process.net_connections("tcp")):
+                return process
+        except psutil.NoSuchProcess:
+            continue
+    raise AssertionError(f"no process of tandem serve listens on {address}")
+
+
+def complete(server, prompt: str, timeout_s: float = 60.0) -> httpx.Response:
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    return httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=timeout_s)
+
+
+def counter(server, name: str, label: str) -> float:
+    text = httpx.get(f"{server.base_url}/metrics", timeout=10).text
+    found = re.search(rf'^{re.escape(name)}\{{{label}\}} (\S+)$', text, re.M)
+    return float(found.group(1)) if found else 0.0
+
+
+def until_answered(server, prompt: str, expected: str, deadline_s: float) -> list[int]:
+    """Send the request again and again until it is answered; every answer must be the
+    expected text, every failure an OpenAI-shaped error. The statuses seen, in order."""
+    statuses, deadline = [], time.monotonic() + deadline_s
+    while time.monotonic() < deadline:
+        response = complete(server, prompt)
+        statuses.append(response.status_code)
+        if response.status_code == 200:
+            assert response.json()["choices"][0]["text"] == expected
+            return statuses
+        error = response.json()["error"]
+        assert error["message"] and response.status_code >= 500, error
+        time.sleep(0.5)
+    raise AssertionError(f"not answered within {deadline_s} s: statuses {statuses}")
+
+
+def assert_nothing_held(server) -> None:
+    for role in ("prefill", "decode"):
+        wait_until(lambda: server.metric("num_free_kv_blocks", role) == server.metric("num_kv_blocks", role),
+                   what=f"every {role} KV block free")
+
+
+def kill_the_worker(server, role: str, prompt: str) -> tuple[str, str, float]:
+    """SIGKILL the role's one worker after answering ``prompt`` once: (that answer, the
+    worker's address, when it was killed)."""
+    expected = complete(server, prompt).json()["choices"][0]["text"]
+    [address] = worker_addresses(server, role)
+    worker_process(server, address).send_signal(signal.SIGKILL)
+    return expected, address, time.monotonic()
+
+
+def test_a_killed_prefill_worker_is_survived_and_found_again(server):
+    prompt = "The lighthouse keeper wrote in his log that"
+    expected, old, killed = kill_the_worker(server, "prefill", prompt)
+    # degraded, not down: the decode worker prefills until the prefill worker is back
+    statuses = until_answered(server, prompt, expected, deadline_s=60)
+    answered = time.monotonic() - killed
+    assert httpx.get(f"{server.base_url}/ready", timeout=10).status_code == 200
+    wait_until(lambda: worker_addresses(server, "prefill") not in ([], [old]), timeout_s=240,
+               what="the restarted prefill worker in the pool")
+    print(f"prefill SIGKILL: answered again after {answered:.1f} s (statuses {statuses}), restarted worker in the "
+          f"pool after {time.monotonic() - killed:.1f} s")
+    [new] = worker_addresses(server, "prefill")
+    assert any(f"prefill worker {old} restarted at {new}" in line for line in server.log)
+    wait_until(lambda: server.metric("num_kv_blocks", "prefill") > 0, what="the new prefill worker's Stats")
+    # it takes traffic again: a fresh prompt is prefilled there, not on the decode worker
+    remote_before = counter(server, "tandem:routing_decisions_total", 'decision="remote"')
+    computed_before = server.metric("num_prompt_tokens_computed", "prefill")
+    wait_until(lambda: complete(server, f"A new prompt at {time.monotonic()}: the sea").status_code == 200
+               and server.metric("num_prompt_tokens_computed", "prefill") > computed_before, timeout_s=60,
+               what="a prompt prefilled on the restarted prefill worker")
+    assert counter(server, "tandem:routing_decisions_total", 'decision="remote"') > remote_before
+    assert complete(server, prompt).json()["choices"][0]["text"] == expected
+    assert_nothing_held(server)
+
+
+def test_a_killed_decode_worker_is_found_again_and_answers_as_before(server):
+    prompt = "Three things to pack for a long hike:"
+    expected, old, killed = kill_the_worker(server, "decode", prompt)
+    # its only decode worker gone, requests fail with an OpenAI-shaped error until Ray has
+    # restarted it and the router has found it; then they get the same answer
+    statuses = until_answered(server, prompt, expected, deadline_s=240)
+    print(f"decode SIGKILL: answered again after {time.monotonic() - killed:.1f} s (statuses {statuses})")
+    [new] = worker_addresses(server, "decode")
+    assert new != old and any(f"decode worker {old} restarted at {new}" in line for line in server.log)
+    assert_nothing_held(server)
