@@ -159,6 +159,9 @@ class DecodeWorker(pb_grpc.DecodeWorkerServicer):
             await abort_invalid(context, exc)
         except NoFreeBlocks as exc:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        except asyncio.CancelledError:  # gone while the engine thread admitted it: nobody will read it
+            self.engine_loop.abort(request_id)  # queued after the add, so it finds what the add left
+            raise
         prefill = None
         if admission.kv_from_pos is not None:
             prefill = asyncio.create_task(self._remote_prefill(request_id, request, params, admission))
