@@ -10,7 +10,9 @@ A worker that is not ready within its deadline is a startup error, never a hang.
 
 from __future__ import annotations
 
+import logging
 import os
+import threading
 import time
 from dataclasses import dataclass, replace
 
@@ -29,6 +31,17 @@ class WorkerStartupError(RuntimeError):
     """A worker did not become ready before its deadline, or failed while starting."""
 
 
+def _exit_soon(delay_s: float = 1.0) -> None:
+    """End this process once its failed calls have had ``delay_s`` to answer their errors."""
+
+    def exit_now() -> None:
+        time.sleep(delay_s)
+        logging.shutdown()
+        os._exit(1)
+
+    threading.Thread(target=exit_now, name="exit-on-engine-death", daemon=True).start()
+
+
 class WorkerActor:
     """The Ray actor around one worker. Ray pickles only what its own control plane carries
     (the config at construction, small replies); requests and KV go over the worker's gRPC."""
@@ -40,6 +53,7 @@ class WorkerActor:
         if not config.server.host:  # serve on this node's address, wherever Ray placed us
             config = replace(config, server=replace(config.server, host=ray.util.get_node_ip_address()))
         self.worker = PrefillWorker(config) if self.role == Role.PREFILL else DecodeWorker(config)
+        self.worker.runtime.exit_on_engine_death = _exit_soon  # then Ray restarts this actor
         self.address = self.worker.start()
 
     def ready(self) -> str:

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from engine.engine_core import EngineCore, EngineCoreOutput
-from engine.engine_loop import AddRequest, NoFreeBlocks, RemoteKV
+from engine.engine_loop import AddRequest, EngineLoopStopped, NoFreeBlocks, RemoteKV
 from engine.llm import EngineArgs
 from engine.remote_kv import KVFailurePolicy
 from kv_transfer.grpc_transport import GrpcKVReceiver
@@ -32,7 +32,7 @@ from proto.convert import output_to_chunk, params_from_proto, params_to_proto
 from proto.rpc import CHANNEL_OPTIONS, Role, secret_metadata
 from telemetry.stages import decode_spans, decode_stage_times
 from telemetry.tracing import TracingConfig, extract, inject
-from worker_runtime.errors import abort_failed, abort_invalid, check_request_id
+from worker_runtime.errors import abort_failed, abort_invalid, answer_stats, check_request_id
 from worker_runtime.runtime import RuntimeConfig, WorkerRuntime
 from worker_runtime.server import ServerConfig
 
@@ -159,6 +159,8 @@ class DecodeWorker(pb_grpc.DecodeWorkerServicer):
             await abort_invalid(context, exc)
         except NoFreeBlocks as exc:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        except EngineLoopStopped as exc:  # another worker may serve it
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         except asyncio.CancelledError:  # gone while the engine thread admitted it: nobody will read it
             self.engine_loop.abort(request_id)  # queued after the add, so it finds what the add left
             raise
@@ -262,7 +264,7 @@ class DecodeWorker(pb_grpc.DecodeWorkerServicer):
         return pb.AbortReply(found=found)
 
     async def Stats(self, request: pb.StatsRequest, context) -> pb.WorkerStats:
-        return self.stats()
+        return await answer_stats(context, self.stats)
 
     def stats(self) -> pb.WorkerStats:
         return self.runtime.stats(num_held_transfers=len(self.core.scheduler.waiting_for_remote_kv))

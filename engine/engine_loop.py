@@ -73,6 +73,10 @@ class Added:
     kv_from_pos: int | None  # remote KV: blocks reserved, the sender starts at this position; None: computed here
 
 
+class EngineLoopStopped(RuntimeError):
+    """The engine loop is not running (stopped, or died): nothing can be added."""
+
+
 class NoFreeBlocks(Exception):
     """Remote KV under the fail policy found no free KV blocks (the client is told so)."""
 
@@ -91,10 +95,12 @@ class EngineLoop:
 
     def __init__(self, build: Callable[[], EngineCore], before_step: BeforeStep | None = None,
                  idle_poll_s: float = 0.005, after_step: Callable[[EngineCore], None] | None = None,
-                 after_outputs: Callable[[], None] | None = None, build_timeout_s: float = 1800.0):
+                 after_outputs: Callable[[], None] | None = None, build_timeout_s: float = 1800.0,
+                 on_death: Callable[[BaseException], None] | None = None):
         self._before_step = before_step
         self._after_step = after_step  # e.g. publish the step's prefix-cache events
         self._after_outputs = after_outputs  # e.g. wake the thread the listeners queued for
+        self._on_death = on_death  # the loop died (after its requests got their errors): e.g. stop serving
         self._idle_poll_s = idle_poll_s  # how often an idle loop looks at remote-KV deadlines
         self._calls: queue.SimpleQueue = queue.SimpleQueue()
         self._listeners: dict[str, OutputListener] = {}
@@ -124,7 +130,7 @@ class EngineLoop:
     def add(self, add: AddRequest) -> Future:
         """Make and add a request before the next step. The Future's result: ``Added``; its
         exception: the request's validation error (InvalidParam, a ValueError), NoFreeBlocks,
-        or RuntimeError when the loop is not running."""
+        or EngineLoopStopped when the loop is not running."""
         return self._submit(self._add, add)
 
     def abort(self, request_id: str) -> Future:
@@ -135,7 +141,7 @@ class EngineLoop:
     def _submit(self, fn: Callable, arg) -> Future:
         future: Future = Future()
         if self._stopping or self.error is not None:
-            future.set_exception(RuntimeError("the engine loop is not running"))
+            future.set_exception(EngineLoopStopped("the engine loop is not running"))
             return future
         self._calls.put((future, fn, arg))
         self._wake.set()
@@ -200,6 +206,8 @@ class EngineLoop:
             logger.exception("engine loop died")
             self.error = exc
             self._fail_everything(exc)
+            if self._on_death is not None:
+                self._on_death(exc)
 
     def _step(self) -> list[EngineCoreOutput]:
         """One step; a failed forward fails its batch (the core has freed their blocks) and
@@ -250,4 +258,4 @@ class EngineLoop:
                 future, _, _ = self._calls.get_nowait()
             except queue.Empty:
                 return
-            future.set_exception(RuntimeError(f"engine failed: {exc}"))
+            future.set_exception(EngineLoopStopped(f"engine failed: {exc}"))

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import grpc
 
 from engine.engine_core import EngineCore, EngineCoreOutput
-from engine.engine_loop import AddRequest
+from engine.engine_loop import AddRequest, EngineLoopStopped
 from engine.llm import EngineArgs
 from engine.outputs import FinishReason
 from engine.remote_kv import KVExport, prefill_side_params
@@ -29,7 +29,7 @@ from proto.convert import params_from_proto
 from proto.rpc import CHANNEL_OPTIONS, Role
 from telemetry.stages import prefill_spans
 from telemetry.tracing import TracingConfig, extract
-from worker_runtime.errors import abort_invalid, check_request_id
+from worker_runtime.errors import abort_invalid, answer_stats, check_request_id
 from worker_runtime.runtime import RuntimeConfig, WorkerRuntime
 from worker_runtime.server import ServerConfig
 
@@ -113,6 +113,8 @@ class PrefillWorker(pb_grpc.PrefillWorkerServicer):
                                    first_token_id=output.new_token_ids[0])
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except EngineLoopStopped as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         except TimeoutError:
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "prefill and KV push did not finish in time")
         finally:  # cancelled, failed or done: nothing of this request stays here
@@ -144,7 +146,7 @@ class PrefillWorker(pb_grpc.PrefillWorkerServicer):
         return pb.AbortReply(found=found or sink is not None)
 
     async def Stats(self, request: pb.StatsRequest, context) -> pb.WorkerStats:
-        return self.stats()  # read without waiting for the engine thread, as the decode worker's
+        return await answer_stats(context, self.stats)  # without waiting for the engine thread
 
     def stats(self) -> pb.WorkerStats:
         return self.runtime.stats(self.kv_bytes_sent, len(self._held))

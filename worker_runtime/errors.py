@@ -4,12 +4,20 @@ that the router can tell a request's own error (not retried) from a worker's fau
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import grpc
 
 from engine.engine_core import EngineCoreOutput
 from engine.request import ErrorScope
 from engine.sampling_params import InvalidParam
+from proto import worker_pb2 as pb
 from proto.rpc import ERROR_PARAM_KEY, ERROR_SCOPE_KEY
+
+
+class EngineDead(RuntimeError):
+    """The worker's engine loop died: it cannot step any request."""
+
 
 MAX_REQUEST_ID_LEN = 256  # longer ids are refused (they travel in every KV frame's header)
 _SCOPE_CODES = {
@@ -27,6 +35,15 @@ async def abort_failed(context, output: EngineCoreOutput) -> None:
     scope = output.error_scope or ErrorScope.STEP
     context.set_trailing_metadata(((ERROR_SCOPE_KEY, scope.value),))
     await context.abort(_SCOPE_CODES[scope], output.error or "the request failed")
+
+
+async def answer_stats(context, read: Callable[[], pb.WorkerStats]) -> pb.WorkerStats:
+    """A Stats call's answer; UNAVAILABLE once the engine loop died, so that the router takes
+    the worker out of routing as it would an unreachable one."""
+    try:
+        return read()
+    except EngineDead as exc:
+        await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
 
 
 async def abort_invalid(context, exc: ValueError) -> None:

@@ -8,6 +8,7 @@ loop's hooks; nothing here knows Prefill or Generate.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -21,9 +22,12 @@ from proto import worker_pb2 as pb
 from proto.convert import worker_stats
 from proto.rpc import Role
 from telemetry.tracing import DECODE_SERVICE, PREFILL_SERVICE, Tracing, TracingConfig, setup_tracing
+from worker_runtime.errors import EngineDead
 from worker_runtime.server import ServerConfig, WorkerServer
 
 _SERVICE_NAMES = {Role.PREFILL: PREFILL_SERVICE, Role.DECODE: DECODE_SERVICE}
+logger = logging.getLogger(__name__)
+
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,7 +51,11 @@ class WorkerRuntime:
         self.config = config
         self.server = WorkerServer(config.server, register)
         self.engine_loop = EngineLoop(lambda: build_engine(config.engine), before_step=before_step,
-                                      after_step=self._publish_events, after_outputs=after_outputs)
+                                      after_step=self._publish_events, after_outputs=after_outputs,
+                                      on_death=self._engine_died)
+        # where the process may end itself once its engine loop died, so that its supervisor
+        # (Ray) restarts it: cluster/actors.py sets this; None: it only stops serving
+        self.exit_on_engine_death: Callable[[], None] | None = None
         self.core: EngineCore = self.engine_loop.core
         self.publisher: PrefixEventPublisher | None = None
         self.tracing: Tracing | None = None
@@ -84,9 +92,20 @@ class WorkerRuntime:
 
     def stats(self, kv_bytes_sent: int = 0, num_held_transfers: int = 0) -> pb.WorkerStats:
         """Read without waiting for the engine thread (a long step must not make the worker look
-        dead): each figure is current, together they may be a step apart."""
+        dead): each figure is current, together they may be a step apart. Raises EngineDead
+        once the engine loop has died: a worker that cannot step must not look healthy."""
+        if self.engine_loop.error is not None:
+            raise EngineDead(f"the engine loop died: {self.engine_loop.error!r}")
         return worker_stats(self.core, self.role.value, self.address, kv_bytes_sent, num_held_transfers,
                             self.incarnation)
+
+    def _engine_died(self, exc: BaseException) -> None:  # engine thread, as it ends
+        """NOT_SERVING at once (probes and the router's health checks see it), then, where the
+        process is supervised, its end."""
+        logger.error("%s worker %s: the engine loop died (%r); not serving", self.role, self.address, exc)
+        self.server.set_serving(False)
+        if self.exit_on_engine_death is not None:
+            self.exit_on_engine_death()
 
     def _publish_events(self, core: EngineCore) -> None:  # engine thread, after each step
         if self.publisher is not None:

@@ -101,6 +101,12 @@ class WorkerServer:
         await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
         return port
 
+    def set_serving(self, serving: bool, timeout_s: float = 5.0) -> None:
+        """The health service's status (any thread but the server's loop)."""
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        if self._server is not None and self.loop.is_running():
+            asyncio.run_coroutine_threadsafe(self.health.set("", status), self.loop).result(timeout_s)
+
     def stop(self, grace_s: float = 1.0) -> None:
         if self._server is not None and self.loop.is_running():
             asyncio.run_coroutine_threadsafe(self.health.enter_graceful_shutdown(), self.loop).result(5)

@@ -16,16 +16,20 @@ import httpx
 import psutil
 import pytest
 
-from tests.router.conftest import start_server
+from tests.router.conftest import FAULTS_DIR, start_server
 from tests.workers import wait_until
 
 MODEL = "smollm2-135m-instruct"
+# a request seeded with this kills the engine loop of the worker that draws its 12th position
+# or later (tests/faults): with a 5-token prompt, the decode worker's
+DEATH_SEED, DEATH_POSITION = 31_337, 12
 
 
 @pytest.fixture(scope="module")
 def server(smollm_dir):
     """Every prompt through the prefill worker while there is one (the path under test)."""
-    server = start_server(smollm_dir, "disagg", "--local-prefill-max-tokens", "0")
+    env = {"PYTHONPATH": str(FAULTS_DIR), "TANDEM_TEST_ENGINE_DEATH": f"{DEATH_SEED}:{DEATH_POSITION}"}
+    server = start_server(smollm_dir, "disagg", "--local-prefill-max-tokens", "0", env=env)
     yield server
     server.stop()
 
@@ -124,4 +128,22 @@ def test_a_killed_decode_worker_is_found_again_and_answers_as_before(server):
     print(f"decode SIGKILL: answered again after {time.monotonic() - killed:.1f} s (statuses {statuses})")
     [new] = worker_addresses(server, "decode")
     assert new != old and any(f"decode worker {old} restarted at {new}" in line for line in server.log)
+    assert_nothing_held(server)
+
+
+def test_a_worker_whose_engine_loop_died_exits_and_is_restarted(server):
+    """A dead engine loop is reported (the request gets an error), the process exits, Ray
+    restarts it and the router finds it again."""
+    prompt = "Name one colour of the sea:"
+    expected = complete(server, prompt).json()["choices"][0]["text"]
+    [old] = worker_addresses(server, "decode")
+    pid = worker_process(server, old).pid
+    body = {"model": MODEL, "prompt": [1, 2, 3, 4, 5], "max_tokens": 30, "temperature": 0.8, "seed": DEATH_SEED,
+            "ignore_eos": True}
+    response = httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=60)
+    assert response.status_code >= 500 and "engine" in response.json()["error"]["message"]
+    wait_until(lambda: not psutil.pid_exists(pid), what="the worker's process to exit")
+    until_answered(server, prompt, expected, deadline_s=240)
+    [new] = worker_addresses(server, "decode")
+    assert new != old and worker_process(server, new).pid != pid
     assert_nothing_held(server)
