@@ -33,7 +33,8 @@ def router_config(config, plan) -> RouterConfig:
     return RouterConfig(served_model_name=config.name, max_model_len=plan.max_model_len, api_key=config.api_key,
                         max_queue=config.max_queue, limits=limits, tokenizer_threads=config.tokenizer_threads,
                         kv_transport=config.kv_transport_code, drain_timeout_s=config.drain_timeout,
-                        local_prefill_max_tokens=config.local_prefill_max_tokens)
+                        local_prefill_max_tokens=config.local_prefill_max_tokens,
+                        request_timeout_s=config.request_timeout)
 
 
 class DrainingServer(uvicorn.Server):

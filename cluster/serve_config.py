@@ -135,6 +135,9 @@ class ServeConfig:
                                                    "worker is at most this long is prefilled there (measured "
                                                    "crossover on this machine; see README)")
     drain_timeout: float = flag(30.0, float)
+    request_timeout: float = flag(600.0, float, "seconds a request may take from admission to its last token; past "
+                                                "them it ends with a 504 (streamed: an error event) and its work on "
+                                                "the workers is cancelled")
     ready_timeout: float = flag(600.0, float, "seconds each worker may take to start")
     prefill_nice: int = flag(10, int, "Unix niceness of prefill workers: where they share CPUs with decode workers "
                                       "and the router, decode steps win (0: same priority)")

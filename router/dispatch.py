@@ -72,8 +72,10 @@ def api_error(exc: grpc.aio.AioRpcError) -> APIError:
 
 class Dispatcher:
     def __init__(self, pool: WorkerPool, kv_transport: int, local_prefill_max_tokens: int = 0,
-                 index: PrefixIndex | None = None, on_decision: Callable[[str], None] = lambda decision: None) -> None:
+                 index: PrefixIndex | None = None, on_decision: Callable[[str], None] = lambda decision: None,
+                 request_timeout_s: float = 600.0) -> None:
         self.pool = pool
+        self.request_timeout_s = request_timeout_s  # a sequence's deadline, over all its attempts
         # "remote" | "local" | "local_fallback" (no prefill worker) | "retry" | "fallback" (no index answer)
         self._on_decision = on_decision
         self.index = index  # None: no prefix index (route by load)
@@ -84,6 +86,7 @@ class Dispatcher:
         self.active: dict[str, str] = {}  # worker request id -> decode worker address (for drain aborts)
 
     async def stream(self, sequence: Sequence) -> AsyncIterator[pb.GenerateChunk]:
+        deadline = time.monotonic() + self.request_timeout_s
         tried: set[str] = set()
         trace = sequence.trace or SequenceTrace()
         trace.route_started = time.monotonic()
@@ -101,11 +104,14 @@ class Dispatcher:
             self.recent.remember(list(route.digests), chosen)
             started = False
             try:
-                async for chunk in self._attempt(sequence, assignment, route, trace):
+                async for chunk in self._attempt(sequence, assignment, route, trace, deadline):
                     started = True
                     yield chunk
                 return
             except grpc.aio.AioRpcError as exc:
+                if time.monotonic() >= deadline:
+                    raise APIError(504, f"the request did not finish within --request-timeout "
+                                        f"({self.request_timeout_s:g} s)") from None
                 failed = self._failed_worker(exc, assignment)
                 if started or attempt == 1 or exc.code() not in _RETRYABLE or _is_own_fault(exc):
                     raise api_error(exc) from None
@@ -141,7 +147,7 @@ class Dispatcher:
         return RouteRequest(num_prompt, hits, tuple(digests), indexed)
 
     async def _attempt(self, sequence: Sequence, assignment: Assignment, route: RouteRequest,
-                       trace: SequenceTrace) -> AsyncIterator[pb.GenerateChunk]:
+                       trace: SequenceTrace, deadline: float) -> AsyncIterator[pb.GenerateChunk]:
         request = pb.GenerateRequest()
         request.CopyFrom(sequence.request)
         # unique per attempt on the workers: clients may reuse ids, and a stale stream of an
@@ -163,7 +169,8 @@ class Dispatcher:
             prefill.prompt_tokens_in_flight += num_prompt
         decode.in_flight += 1
         self.active[request.request_id] = decode.address
-        call = self.pool.decode_stub(decode).Generate(request, metadata=self.pool.metadata + trace.metadata)
+        call = self.pool.decode_stub(decode).Generate(request, metadata=self.pool.metadata + trace.metadata,
+                                                      timeout=max(0.001, deadline - time.monotonic()))
         prefilling = prefill is not None
         try:
             async for chunk in call:

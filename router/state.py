@@ -43,10 +43,13 @@ class RouterConfig:
     kv_transport: int = pb.KV_TRANSPORT_GRPC  # --kv-transport for disaggregated requests
     drain_timeout_s: float = 30.0  # --drain-timeout
     local_prefill_max_tokens: int = 0  # --local-prefill-max-tokens: shorter prompts skip the prefill worker
+    request_timeout_s: float = 600.0  # --request-timeout: admission to last token, or 504
 
     def __post_init__(self) -> None:
         if self.max_queue < 1 or self.tokenizer_threads < 1 or self.max_model_len < 2:
             raise ValueError("max_queue and tokenizer_threads must be >= 1, max_model_len >= 2")
+        if not self.request_timeout_s > 0:
+            raise ValueError(f"request_timeout_s must be > 0, got {self.request_timeout_s}")
 
 
 class RouterState:
@@ -62,7 +65,7 @@ class RouterState:
         self.pool = pool
         self.index = index
         self.dispatcher = Dispatcher(pool, config.kv_transport, config.local_prefill_max_tokens, index,
-                                     on_decision=self.record_decision)
+                                     on_decision=self.record_decision, request_timeout_s=config.request_timeout_s)
         self.draining = False
         self.num_in_flight = 0
         self.started = time.time()

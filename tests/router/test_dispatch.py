@@ -217,3 +217,26 @@ def test_an_unreachable_decode_worker_leaves_routing_at_once(decode_worker, llm)
     by_address = {w.address: w for w in pool.decode}
     assert not by_address[dead].healthy and by_address[dead].failures >= pool.failures_to_drop
     assert by_address[decode_worker.address].healthy
+
+
+def test_a_request_past_its_deadline_ends_with_a_504_and_frees_the_worker(decode_worker):
+    """--request-timeout defines "hung": past it the stream ends with a 504 and the decode
+    worker drops the request (the gRPC call's own deadline cancels it there)."""
+    pool = healthy_pool([decode_worker.address])
+    params = params_to_proto(SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True))
+    sequence = Sequence(0, 0, pb.GenerateRequest(request_id="slow", prompt_token_ids=[1, 2, 3], params=params))
+    received = []
+
+    async def collect():
+        dispatcher = Dispatcher(pool, pb.KV_TRANSPORT_GRPC, request_timeout_s=1.0)
+        try:
+            async for chunk in dispatcher.stream(sequence):
+                received.extend(chunk.token_ids)
+        finally:
+            await pool.stop()
+
+    with pytest.raises(APIError) as info:
+        asyncio.run(collect())
+    assert info.value.status == 504 and "--request-timeout" in info.value.message
+    assert 0 < len(received) < 400  # it was streaming when the deadline came
+    wait_all_free(decode_worker.stats)
