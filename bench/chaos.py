@@ -10,7 +10,9 @@ under load, and with them the rounding of near ties); the rule's firings are cou
 fault it counts what was sent, completed with the reference's tokens, failed with an
 OpenAI-shaped error, hung (no answer within the deadline), answered wrong, and failed
 otherwise; then, once idle, the KV blocks still held on every worker; and
-how long until requests succeeded again and until a restarted worker took traffic."""
+how long until requests succeeded again and until a restarted worker was back in routing (at
+its new address, its Stats answering; whether requests then go there is the routing policy's
+choice: prefix routing keeps a prompt where it is cached)."""
 
 from __future__ import annotations
 
@@ -58,7 +60,7 @@ class FaultRow:
     near_ties: int = 0  # completions that diverged from the reference at a near tie (counted completed)
     blocks_held: dict[str, int] = field(default_factory=dict)  # role -> KV blocks in use once idle
     recovered_s: float | None = None  # injection -> the first request after which all succeeded
-    worker_back_s: float | None = None  # injection -> the restarted worker took traffic
+    worker_back_s: float | None = None  # injection -> the restarted worker was back in routing
     notes: list[str] = field(default_factory=list)
 
 
@@ -223,14 +225,13 @@ def _poison(cluster: LiveCluster, cfg: ChaosConfig, row: FaultRow) -> None:
 
 async def _watch_restart(cluster: LiveCluster, role: str, before: list[str], injected: float, row: FaultRow,
                          until: float) -> None:
-    """When a restarted worker of ``role`` took traffic: it is in the pool at a new address and
-    has computed or decoded something."""
-    counter = "num_prompt_tokens_computed" if role == "prefill" else "num_generation_tokens"
+    """When a restarted worker of ``role`` was back in routing: in the pool at a new address,
+    with Stats (the router routes only to workers whose last Stats answered)."""
     while time.monotonic() < until:
         await asyncio.sleep(0.25)
         try:
             now = await asyncio.to_thread(cluster.workers, role)
-            if now and now != before and await asyncio.to_thread(cluster.gauge, counter, role) > 0:
+            if now and now != before and await asyncio.to_thread(cluster.gauge, "num_kv_blocks", role) > 0:
                 row.worker_back_s = time.monotonic() - injected
                 return
         except httpx.HTTPError:
@@ -297,7 +298,18 @@ def _references(cluster: LiveCluster, cfg: ChaosConfig) -> dict[str, Reference]:
     return answers
 
 
-def run_chaos(cfg: ChaosConfig, log=print) -> list[FaultRow]:
+@dataclass
+class ChaosResult:
+    rows: list[FaultRow]
+    startup_s: float | None  # how long the workers took to start at first (`tandem serve`'s log)
+
+
+def _startup_s(log_lines: list[str]) -> float | None:
+    found = [re.search(r"workers ready in ([0-9.]+) s", line) for line in log_lines]
+    return next((float(m.group(1)) for m in found if m), None)
+
+
+def run_chaos(cfg: ChaosConfig, log=print) -> ChaosResult:
     from bench.launch import LaunchedServe
     from cluster.redis_server import PrivateRedis
 
@@ -321,7 +333,7 @@ def run_chaos(cfg: ChaosConfig, log=print) -> list[FaultRow]:
             log(f"chaos: {fault}")
             rows.append(asyncio.run(run_fault(cluster, cfg, fault, references, injectors[fault], rng)))
             log(f"chaos: {fault}: {dataclasses.asdict(rows[-1])}")
-        return rows
+        return ChaosResult(rows, _startup_s(launched.log))
     finally:
         launched.stop()
         redis.close()
@@ -331,13 +343,15 @@ def _seconds(value: float | None) -> str:
     return "-" if value is None else f"{value:.1f}"
 
 
-def render_chaos(cfg: ChaosConfig, rows: list[FaultRow]) -> str:
+def render_chaos(cfg: ChaosConfig, result: ChaosResult) -> str:
+    rows = result.rows
     lines = [f"`tandem bench chaos`: {cfg.rate:g} req/s of greedy {cfg.max_tokens}-token completions for "
              f"{cfg.window_s:g} s per fault, the fault {cfg.inject_after_s:g} s in; hung = no answer within "
-             f"{cfg.request_timeout_s:g} s; serve {' '.join(cfg.serve_args)}",
+             f"{cfg.request_timeout_s:g} s; serve {' '.join(cfg.serve_args)}; workers started in "
+             f"{_seconds(result.startup_s)} s at first",
              "",
              "| fault | sent | completed (near ties) | failed (OpenAI error) | hung | wrong | other | "
-             "blocks held once idle | succeeding again after (s) | restarted worker took traffic after (s) |",
+             "blocks held once idle | succeeding again after (s) | restarted worker back in routing after (s) |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         held = ", ".join(f"{role} {n}" for role, n in r.blocks_held.items()) or "-"
@@ -372,6 +386,5 @@ def run_cli(args) -> int:
                       rate=args.rate, window_s=args.window, inject_after_s=args.inject_after,
                       stop_s=args.stop_seconds, request_timeout_s=args.request_timeout,
                       serve_args=tuple(shlex.split(args.serve_args)))
-    rows = run_chaos(cfg, log=log)
-    return print_and_save(render_chaos(cfg, rows), args.out,
-                          lambda: json.dumps([dataclasses.asdict(r) for r in rows], indent=2))
+    result = run_chaos(cfg, log=log)
+    return print_and_save(render_chaos(cfg, result), args.out, lambda: json.dumps(dataclasses.asdict(result), indent=2))

@@ -29,6 +29,10 @@ from router.workers import Assignment, WorkerPool, WorkerView
 
 _RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN,
               grpc.StatusCode.DEADLINE_EXCEEDED}
+# how long a retry may wait for a restarted worker where the failed one was its role's only one
+# (Ray restarted a SIGKILLed decode worker and the router found it in ~8 s here); bounded by the
+# request's own deadline too
+RETRY_WAIT_S = 30.0
 _HTTP_STATUS = {grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.RESOURCE_EXHAUSTED: 503,
                 grpc.StatusCode.UNAVAILABLE: 503, grpc.StatusCode.DEADLINE_EXCEEDED: 504}
 
@@ -95,6 +99,9 @@ class Dispatcher:
             self._on_decision("fallback")  # the index did not answer: routed by load
         for attempt in range(2):
             assignment = self.pool.assign(frozenset(tried), route)
+            if assignment is None and attempt == 1:  # the failed worker was the only one: its restart may serve
+                assignment = await self._await_worker(frozenset(tried), route, min(deadline, time.monotonic()
+                                                                                   + RETRY_WAIT_S))
             if assignment is None:
                 raise APIError(503, "no healthy worker is available; try again shortly",
                                headers={"Retry-After": "1"})
@@ -117,6 +124,15 @@ class Dispatcher:
                     raise api_error(exc) from None
                 self._on_decision("retry")
                 tried.add(failed.address)  # only that one: the other worker of the pair may serve the retry
+
+    async def _await_worker(self, exclude: frozenset[str], route: RouteRequest, until: float) -> Assignment | None:
+        """A pair once one serves (a restarted incarnation has a new address), or None at ``until``."""
+        while time.monotonic() < until:
+            await asyncio.sleep(0.1)
+            assignment = self.pool.assign(exclude, route)
+            if assignment is not None:
+                return assignment
+        return None
 
     def _failed_worker(self, exc: grpc.aio.AioRpcError, assignment: Assignment) -> WorkerView:
         """Which worker a failure before the first token was: the prefill worker where the

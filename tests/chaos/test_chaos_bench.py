@@ -14,8 +14,9 @@ def test_chaos_bench_kills_a_prefill_worker_and_sends_poison(smollm_dir):
                       inject_after_s=3.0, serve_args=("--mode", "disagg", "--local-prefill-max-tokens", "0",
                                                       "--dtype", "float32", "--max-model-len", "1024",
                                                       "--num-kv-blocks", "512", "--worker-threads", "1"))
-    rows = run_chaos(cfg, log=print)
-    table = render_chaos(cfg, rows)
+    result = run_chaos(cfg, log=print)
+    rows = result.rows
+    table = render_chaos(cfg, result)
     print(table)
     assert [row.fault for row in rows] == ["kill-prefill", "poison"]
     for row in rows:
@@ -24,7 +25,7 @@ def test_chaos_bench_kills_a_prefill_worker_and_sends_poison(smollm_dir):
         assert row.blocks_held and not any(row.blocks_held.values()), row.blocks_held
         assert row.recovered_s is not None
     kill, poison = rows
-    assert kill.worker_back_s is not None and kill.worker_back_s > 0
+    assert kill.worker_back_s is not None and kill.worker_back_s > 0 and result.startup_s > 0
     statuses = [int(s) for s in re.search(r"answered \[([^\]]*)\]", poison.notes[0]).group(1).split(", ")]
     assert all(400 <= status < 500 for status in statuses), statuses
     assert f"| kill-prefill | {kill.sent} | {kill.completed} ({kill.near_ties}) |" in table

@@ -240,3 +240,31 @@ def test_a_request_past_its_deadline_ends_with_a_504_and_frees_the_worker(decode
     assert info.value.status == 504 and "--request-timeout" in info.value.message
     assert 0 < len(received) < 400  # it was streaming when the deadline came
     wait_all_free(decode_worker.stats)
+
+
+def test_a_retry_waits_for_the_restarted_incarnation_of_the_only_decode_worker(decode_worker, llm):
+    """The pool's only decode worker fails before the first token; a second later its
+    restarted incarnation (a new address, as Ray's restart gives) joins: the retry goes there
+    instead of ending in a 503."""
+    dead = f"127.0.0.1:{free_port()}"
+    pool = healthy_pool([dead])
+    ids = llm.get_tokenizer().encode("The mountain path")
+    params = params_to_proto(SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    sequence = Sequence(0, 0, pb.GenerateRequest(request_id="restart", prompt_token_ids=ids, params=params))
+
+    async def restart_later():
+        await asyncio.sleep(1.0)
+        view = pool.replace_worker(pool.decode[0], decode_worker.address)
+        view.healthy = True  # as its first Stats would say
+
+    async def collect():
+        restarting = asyncio.create_task(restart_later())
+        tokens = [t async for chunk in Dispatcher(pool, pb.KV_TRANSPORT_GRPC).stream(sequence) for t in chunk.token_ids]
+        await restarting
+        await pool.stop()
+        return tokens
+
+    tokens = asyncio.run(collect())
+    reference = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    assert tokens == llm.generate({"prompt_token_ids": ids}, reference)[0].outputs[0].token_ids
+    wait_all_free(decode_worker.stats)
