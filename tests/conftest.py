@@ -87,3 +87,18 @@ def tiny_llama_dir(tmp_path_factory, smollm_dir):
     directory = tmp_path_factory.mktemp("tiny-llama")
     write_tiny_checkpoint("llama", directory, smollm_dir)
     return directory
+
+
+@pytest.fixture(scope="module")
+def smollm_decode_worker(smollm_dir):
+    """A decode worker in this process (real gRPC on loopback), one thread, float32."""
+    from decode_worker.worker import DecodeWorker, DecodeWorkerConfig
+    from engine.llm import EngineArgs
+    from tests.workers import SECRET
+    from worker_runtime.server import ServerConfig
+
+    engine = EngineArgs(model=str(smollm_dir), dtype="float32", num_kv_blocks=256, max_model_len=1024, num_threads=1)
+    worker = DecodeWorker(DecodeWorkerConfig(engine, ServerConfig("127.0.0.1", 0, SECRET)))
+    worker.start()
+    yield worker
+    worker.stop()

@@ -8,27 +8,15 @@ import asyncio
 import random
 
 import grpc
-import pytest
 
-from decode_worker.worker import DecodeWorker, DecodeWorkerConfig
 from engine import SamplingParams
-from engine.llm import EngineArgs
 from proto import worker_pb2_grpc as pb_grpc
 from proto.rpc import CHANNEL_OPTIONS
-from tests.workers import METADATA, SECRET, generate_request, wait_all_free
-from worker_runtime.server import ServerConfig
+from tests.workers import METADATA, generate_request, wait_all_free
 
 
-@pytest.fixture(scope="module")
-def decode_worker(smollm_dir):
-    engine = EngineArgs(model=str(smollm_dir), dtype="float32", num_kv_blocks=256, max_model_len=1024, num_threads=1)
-    worker = DecodeWorker(DecodeWorkerConfig(engine, ServerConfig("127.0.0.1", 0, SECRET)))
-    worker.start()
-    yield worker
-    worker.stop()
-
-
-def test_a_cancel_at_any_point_of_admission_frees_everything(decode_worker):
+def test_a_cancel_at_any_point_of_admission_frees_everything(smollm_decode_worker):
+    decode_worker = smollm_decode_worker
     # long enough that a request left running would still be running when the check below runs
     params = SamplingParams(temperature=0.0, max_tokens=900, ignore_eos=True)
     rng = random.Random(7)

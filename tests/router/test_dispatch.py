@@ -10,9 +10,7 @@ import grpc
 import pytest
 
 from bench.launch import free_port
-from decode_worker.worker import DecodeWorker, DecodeWorkerConfig
 from engine import SamplingParams
-from engine.llm import EngineArgs
 from proto import worker_pb2 as pb
 from proto.convert import params_to_proto
 from router.dispatch import Dispatcher, Sequence
@@ -26,16 +24,11 @@ from router.policy import (
 )
 from router.workers import WorkerPool
 from tests.workers import SECRET, wait_all_free
-from worker_runtime.server import ServerConfig
 
 
 @pytest.fixture(scope="module")
-def decode_worker(smollm_dir):
-    engine = EngineArgs(model=str(smollm_dir), dtype="float32", num_kv_blocks=128, max_model_len=512, num_threads=1)
-    worker = DecodeWorker(DecodeWorkerConfig(engine, ServerConfig("127.0.0.1", 0, SECRET)))
-    worker.start()
-    yield worker
-    worker.stop()
+def decode_worker(smollm_decode_worker):
+    return smollm_decode_worker
 
 
 def healthy_pool(decode_addresses: list[str]) -> WorkerPool:
