@@ -193,8 +193,10 @@ def _redis(redis):
 
 def _disconnect(cluster: LiveCluster, cfg: ChaosConfig, row: FaultRow) -> None:
     """Clients that give up mid-request: streamed and not, 20 of each."""
+    rng = random.Random(cfg.seed)
+
     async def give_up(stream: bool) -> None:
-        body = _body(cfg, random.choice(PROMPTS), max_tokens=400, stream=stream)
+        body = _body(cfg, rng.choice(PROMPTS), max_tokens=400, stream=stream)
         try:
             async with httpx.AsyncClient() as client:
                 await client.post(f"{cluster.base_url}/v1/completions", json=body, timeout=0.3)

@@ -72,7 +72,7 @@ class Frontend:
         self._sweeping: asyncio.Task | None = None
         self._rediscovering: asyncio.Task | None = None
         self._lookups = ThreadPoolExecutor(2, thread_name_prefix="rediscover")  # blocking Ray calls
-        self._looking: set[str] = set()  # addresses being looked up now
+        self._looking: dict[str, asyncio.Task] = {}  # address -> its lookup, while it runs
 
     def run(self) -> None:
         try:
@@ -132,15 +132,14 @@ class Frontend:
             await asyncio.sleep(every_s)
             for view in self.pool.decode + self.pool.prefill:
                 if not view.healthy and view.failures and view.address not in self._looking:
-                    self._looking.add(view.address)
-                    asyncio.create_task(self._rediscover(view, lookup_timeout_s))
+                    self._looking[view.address] = asyncio.create_task(self._rediscover(view, lookup_timeout_s))
 
     async def _rediscover(self, view, timeout_s: float) -> None:
         try:
             found = await asyncio.get_running_loop().run_in_executor(
                 self._lookups, self.workers.rediscover, view.address, timeout_s)
         finally:
-            self._looking.discard(view.address)
+            self._looking.pop(view.address, None)
         if found is not None and found != view.address and view in self.pool.views(view.role):
             self.pool.replace_worker(view, found)
             say(f"{view.role} worker {view.address} restarted at {found}")

@@ -7,8 +7,9 @@ finish_reason "abort"); then every actor this command started is stopped, and a 
 started is shut down.
 
 ``ServeCluster`` is that lifecycle, one method a stage: ``start`` (Ray, the plan, Redis),
-``serve`` (the router's front ends, then the workers behind them), ``drain`` (on the first
-signal) and ``stop`` (everything this command started, in reverse)."""
+``serve`` (the router's front ends, then the workers behind them, until a signal has drained
+them: cluster/frontend.py's ``Frontend.drain``) and ``stop`` (everything this command
+started, in reverse)."""
 
 from __future__ import annotations
 
@@ -198,11 +199,6 @@ class ServeCluster:
         self.frontend = Frontend(self.config, self.plan, self.info, self.policy, self.tracing, workers)
         self.frontend.run()
         return 0
-
-    def drain(self) -> None:
-        """Stop taking requests and let those in flight finish (call on the serving loop)."""
-        if self.frontend is not None:
-            self.frontend.drain()
 
     def stop(self) -> None:
         """Every actor this command started, the Ray it started and its private Redis."""

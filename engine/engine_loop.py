@@ -4,7 +4,8 @@ from other threads (gRPC handlers, transport receivers).
 The core is single-threaded. Other threads reach it in exactly three ways, each a Future of
 what the engine thread did between two steps: ``add`` (an ``AddRequest``: made, validated and
 queued or, for remote KV, its blocks reserved), ``abort``, and the output listener a request
-was added with, which is called (on the engine thread) with each of its outputs. Listeners must only hand the output over; ``after_outputs`` runs once after each
+was added with, which is called (on the engine thread) with each of its outputs. Listeners
+must only hand the output over; ``after_outputs`` runs once after each
 batch of them (a step's, an abort's), so that a listener can queue and the hook hand the whole
 batch to another thread with one wake-up.
 

@@ -8,6 +8,7 @@ waits below are deadlines only."""
 
 from __future__ import annotations
 
+import json
 import re
 import signal
 import time
@@ -23,13 +24,15 @@ MODEL = "smollm2-135m-instruct"
 # a request seeded with this kills the engine loop of the worker that draws its 12th position
 # or later (tests/faults): with a 5-token prompt, the decode worker's
 DEATH_SEED, DEATH_POSITION = 31_337, 12
+REQUEST_TIMEOUT_S = 10  # the server's --request-timeout: far above what the other tests' requests take
 
 
 @pytest.fixture(scope="module")
 def server(smollm_dir):
     """Every prompt through the prefill worker while there is one (the path under test)."""
     env = {"PYTHONPATH": str(FAULTS_DIR), "TANDEM_TEST_ENGINE_DEATH": f"{DEATH_SEED}:{DEATH_POSITION}"}
-    server = start_server(smollm_dir, "disagg", "--local-prefill-max-tokens", "0", env=env)
+    server = start_server(smollm_dir, "disagg", "--local-prefill-max-tokens", "0",
+                          "--request-timeout", str(REQUEST_TIMEOUT_S), env=env)
     yield server
     server.stop()
 
@@ -146,4 +149,22 @@ def test_a_worker_whose_engine_loop_died_exits_and_is_restarted(server):
     until_answered(server, prompt, expected, deadline_s=240)
     [new] = worker_addresses(server, "decode")
     assert new != old and worker_process(server, new).pid != pid
+    assert_nothing_held(server)
+
+
+def test_a_request_past_the_request_timeout_ends_with_an_error_event_and_frees_everything(server):
+    """--request-timeout on a live server: a stream that would run past it (900 tokens, about
+    20-30 s on one thread here) ends with a 504 error event after the tokens so far, then
+    [DONE]; the workers drop the request."""
+    body = {"model": MODEL, "prompt": "Count slowly:", "max_tokens": 900, "ignore_eos": True, "stream": True}
+    started = time.monotonic()
+    with httpx.stream("POST", f"{server.base_url}/v1/completions", json=body, timeout=60) as response:
+        events = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
+    elapsed = time.monotonic() - started
+    assert events[-1] == "[DONE]"
+    error = json.loads(events[-2])["error"]
+    assert error["code"] == 504 and "--request-timeout" in error["message"], error
+    texts = [json.loads(e)["choices"][0]["text"] for e in events[:-2]]
+    assert texts and len(texts) < 900  # it was streaming when the deadline came
+    assert REQUEST_TIMEOUT_S <= elapsed < REQUEST_TIMEOUT_S + 15
     assert_nothing_held(server)
