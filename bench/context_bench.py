@@ -8,19 +8,19 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
 import subprocess
 import tempfile
-import time
 from dataclasses import asdict, dataclass, field
 
 import torch
 
 from bench.machine import describe
+from bench.peers.step_timing import median_decode_step_ms
+from bench.report import PeerOptions, ratio
 
 
 @dataclass(frozen=True, slots=True)
-class ContextBenchConfig:
+class ContextBenchConfig(PeerOptions):
     model: str
     dtype: str  # "bfloat16" or "float32": the same on both sides
     threads: int
@@ -28,8 +28,6 @@ class ContextBenchConfig:
     batch_sizes: tuple[int, ...]
     new_tokens: int = 32  # decode steps timed per case
     max_case_tokens: int = 65536  # context x batch above this is skipped (prefill time, KV memory)
-    vllm_python: str | None = None  # the peers venv's python; None: tandem only
-    seed: int = 0
 
 
 @dataclass(slots=True)
@@ -37,11 +35,7 @@ class ContextRow:
     context: int
     batch: int
     tandem_ms: float
-    vllm_ms: float | None = None
-
-    @property
-    def ratio(self) -> float | None:  # tandem / vLLM: below 1 is faster
-        return self.tandem_ms / self.vllm_ms if self.vllm_ms else None
+    vllm_ms: float | None = None  # the table's ratio: tandem / vLLM, below 1 is faster
 
 
 @dataclass(slots=True)
@@ -84,17 +78,8 @@ def tandem_step_ms(cfg: ContextBenchConfig, cases: list[dict]) -> list[float]:
         params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
         for prompt in prompts:
             core.add_request(core.make_request(f"ctx-{next(ids)}", prompt, params))
-        started: set[str] = set()
-        steps = []
-        while core.has_unfinished_requests():
-            began = time.perf_counter()
-            outputs = core.step()
-            elapsed = time.perf_counter() - began
-            decoding = len(started) == len(prompts)
-            started.update(o.request_id for o in outputs if o.new_token_ids)
-            if decoding and outputs:
-                steps.append(elapsed)
-        return statistics.median(steps) * 1000
+        return median_decode_step_ms(core.step, core.has_unfinished_requests, len(prompts),
+                                     lambda outputs: [o.request_id for o in outputs if o.new_token_ids])
 
     run([case["prompts"][0][:64] for case in cases[:1]], 4)  # warm-up
     return [run(case["prompts"], cfg.new_tokens) for case in cases]
@@ -152,8 +137,9 @@ def render_context(result: ContextBenchResult) -> str:
              "| context | batch | tandem ms/step | vLLM ms/step | tandem / vLLM |", "|---|---|---|---|---|"]
     for row in result.rows:
         vllm = f"{row.vllm_ms:.1f}" if row.vllm_ms else "-"
-        ratio = f"{row.ratio:.2f}" if row.ratio else "-"
-        lines.append(f"| {row.context} | {row.batch} | {row.tandem_ms:.1f} | {vllm} | {ratio} |")
+        against = ratio(row.tandem_ms, row.vllm_ms)
+        lines.append(f"| {row.context} | {row.batch} | {row.tandem_ms:.1f} | {vllm} | "
+                     f"{f'{against:.2f}' if against else '-'} |")
     if result.vllm_command:
         lines.append("vLLM: " + " ".join(result.vllm_command))
     return "\n".join(lines)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 
 
 def log(line: str) -> None:
@@ -24,3 +25,16 @@ def print_and_save(table: str, out: str | None, as_json: Callable[[], str]) -> i
 def comma_ints(text: str) -> tuple[int, ...]:
     """``"1,8,32"`` -> ``(1, 8, 32)``."""
     return tuple(int(part) for part in text.split(","))
+
+
+def ratio(numerator: float | None, denominator: float | None) -> float | None:
+    """``numerator / denominator``, or None where either side was not measured (a run without vLLM)."""
+    return numerator / denominator if numerator and denominator else None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PeerOptions:
+    """What a bench that times vLLM beside tandem takes on top of its own fields."""
+
+    vllm_python: str | None = None  # the peers venv's python; None: tandem only
+    seed: int = 0

@@ -25,11 +25,20 @@ BLOCK_SIZE = 16
 
 @dataclass(frozen=True, slots=True)
 class RoutingResult:
+    """Every timed decision of one setting, and whether the policy picked the worker holding the prefix."""
+
+    timings_ms: tuple[float, ...]  # sorted
     num_workers: int
     prompt_tokens: int
-    p50_ms: float
-    p99_ms: float
-    chose_the_holder: bool  # the policy picked the worker holding the prefix
+    chose_the_holder: bool
+
+    @property
+    def p50_ms(self) -> float:
+        return statistics.median(self.timings_ms)
+
+    @property
+    def p99_ms(self) -> float:
+        return self.timings_ms[int(0.99 * (len(self.timings_ms) - 1))]
 
 
 def routing_latency(num_workers: int = 16, prompt_tokens: int = 4096, rounds: int = 300) -> RoutingResult:
@@ -70,9 +79,8 @@ async def _measure(url: str, num_workers: int, prompt_tokens: int, rounds: int) 
         chosen = pool.assign(frozenset(), route)
         timings.append((time.perf_counter() - start) * 1000)
     await index.close()
-    timings = sorted(timings[20:])  # the first rounds warm the connection up
-    return RoutingResult(num_workers, prompt_tokens, statistics.median(timings),
-                         timings[int(0.99 * (len(timings) - 1))], chosen.decode.address == pool.decode[num_workers // 2].address)
+    return RoutingResult(tuple(sorted(timings[20:])), num_workers, prompt_tokens,  # the first 20 warm the connection
+                         chosen.decode.address == pool.decode[num_workers // 2].address)
 
 
 def render_routing(result: RoutingResult) -> str:

@@ -39,11 +39,12 @@ from dataclasses import asdict, dataclass, field
 from bench.compare import tandem_contender, vllm_contender
 from bench.datasets import BenchRequest
 from bench.machine import describe
+from bench.report import PeerOptions, ratio
 from bench.serve_bench import LoadConfig, run_load
 
 
 @dataclass(frozen=True, slots=True)
-class ServedBenchConfig:
+class ServedBenchConfig(PeerOptions):
     model: str
     dtype: str = "bfloat16"
     threads: int = 2  # engine threads on every side
@@ -51,8 +52,6 @@ class ServedBenchConfig:
     prompt_len: int = 80
     output_len: int = 256
     rounds: int = 2
-    vllm_python: str | None = None  # the peers venv's python; None: tandem only
-    seed: int = 0
 
 
 @dataclass(slots=True)
@@ -64,16 +63,16 @@ class ServedRow:
     vllm_served_ms: float | None = None
 
     @property
-    def tandem_overhead(self) -> float:  # served / engine: 1.10 is 10% above the engine
-        return self.tandem_served_ms / self.tandem_engine_ms
+    def tandem_overhead(self) -> float | None:  # served / engine: 1.10 is 10% above the engine
+        return ratio(self.tandem_served_ms, self.tandem_engine_ms)
 
     @property
     def vllm_overhead(self) -> float | None:
-        return self.vllm_served_ms / self.vllm_engine_ms if self.vllm_served_ms and self.vllm_engine_ms else None
+        return ratio(self.vllm_served_ms, self.vllm_engine_ms)
 
     @property
     def served_vs_vllm(self) -> float | None:  # tandem served / vLLM served: below 1 is faster
-        return self.tandem_served_ms / self.vllm_served_ms if self.vllm_served_ms else None
+        return ratio(self.tandem_served_ms, self.vllm_served_ms)
 
 
 @dataclass(slots=True)

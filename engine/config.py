@@ -19,6 +19,7 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 # [PROMPT_LOGPROBS_ROWS, vocab] however long the chunk (the GPU's activation headroom counts it)
 PROMPT_LOGPROBS_ROWS = 256
 
+
 @dataclass(frozen=True, slots=True)
 class RopeScaling:
     """llama3-style frequency scaling (HF ``rope_type: llama3``)."""

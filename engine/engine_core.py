@@ -18,12 +18,7 @@ from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.kv_cache.block_hash import namespace_digest
 from engine.kv_cache.block_pool import BlockPool
-from engine.kv_cache.kv_cache import (
-    KVCache,
-    activation_headroom,
-    gpu_kv_budget,
-    num_blocks_for,
-)
+from engine.kv_cache.kv_cache import KVCache, activation_headroom, gpu_kv_budget, num_blocks_for
 from engine.kv_cache.manager import KVCacheManager
 from engine.model_info import ModelInfo
 from engine.model_runner import ModelRunner
@@ -31,13 +26,7 @@ from engine.models.loader import load_model
 from engine.models.ops import select_ops
 from engine.outputs import FinishReason, Logprob, PositionLogprobs
 from engine.platform import resolve_device
-from engine.remote_kv import (
-    KVExport,
-    KVExporter,
-    KVFailurePolicy,
-    KVImporter,
-    PrefillTiming,
-)
+from engine.remote_kv import KVExport, KVExporter, KVFailurePolicy, KVImporter, PrefillTiming
 from engine.request import ErrorScope, Request, RequestStatus, RequestTimes
 from engine.sampling_params import InvalidParam, SamplingParams
 from engine.scheduler import Scheduler, TokenUpdate

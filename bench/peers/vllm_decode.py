@@ -10,28 +10,20 @@ the case's prompts sent at once; it ends at the end of stdin. With ``"mode": "ge
 decode tok/s = batch x (new_tokens - 1) / (time of new_tokens - time of 1 token)."""
 
 import json
-import statistics
 import sys
 import time
 
+from step_timing import median_decode_step_ms  # this file's directory is on sys.path: it runs as a script
 
-# The timing loop mirrors bench/context_bench.py's on purpose: this file runs where tandem is
-# not installed, so it cannot import it, and both sides must measure alike.
+
 def decode_step_ms(engine, sampling_params_type, prompts: list[list[int]], new_tokens: int, tag: str) -> float:
     params = sampling_params_type(max_tokens=new_tokens, ignore_eos=True, temperature=0.0)
     for index, prompt in enumerate(prompts):
         engine.add_request(f"{tag}-{index}", {"prompt_token_ids": prompt}, params)
-    started: set[str] = set()
-    steps = []
-    while engine.has_unfinished_requests():
-        began = time.perf_counter()
-        outputs = engine.step()
-        elapsed = time.perf_counter() - began
-        decoding = len(started) == len(prompts)  # every sequence had its first token before this step
-        started.update(o.request_id for o in outputs if o.outputs and o.outputs[0].token_ids)
-        if decoding and outputs:
-            steps.append(elapsed)
-    return statistics.median(steps) * 1000
+    def got_tokens(outputs) -> list[str]:
+        return [o.request_id for o in outputs if o.outputs and o.outputs[0].token_ids]
+
+    return median_decode_step_ms(engine.step, engine.has_unfinished_requests, len(prompts), got_tokens)
 
 
 def request_tpots(engine, sampling_params_type, prompts: list[list[int]], new_tokens: int, tag: str) -> list[float]:

@@ -37,9 +37,7 @@ def _prefill_kernel(out_ptr, query_ptr, cache_ptr, tables_ptr, seq_lens_ptr, cu_
                     NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                     BLOCK_M: tl.constexpr, TILE: tl.constexpr, HEAD_DIM: tl.constexpr,
                     UPCAST: tl.constexpr, PRECISION: tl.constexpr):
-    m_block = tl.program_id(0)
-    head = tl.program_id(1)
-    seq = tl.program_id(2)
+    m_block, head, seq = tl.program_id(0), tl.program_id(1), tl.program_id(2)  # grid: query blocks, heads, seqs
     q_start = tl.load(cu_q_ptr + seq)
     q_len = tl.load(cu_q_ptr + seq + 1) - q_start
     if m_block * BLOCK_M >= q_len:

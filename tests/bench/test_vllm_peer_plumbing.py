@@ -8,6 +8,7 @@ import sys
 
 import pytest
 
+from bench.context_bench import ContextBenchConfig, vllm_step_ms
 from bench.engine_bench import EngineBenchConfig, vllm_decode_tok_s
 from bench.served_bench import ServedBenchConfig, VLLMEngineSide
 
@@ -92,3 +93,15 @@ def test_tpot_mode_answers_case_by_case(fake_vllm, tmp_path):
     finally:
         side.close()
     assert side.process.returncode == 0
+
+
+def test_step_mode_gives_the_median_decode_step_per_case(fake_vllm, tmp_path):
+    (tmp_path / "config.json").write_text('{"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, '
+                                          '"num_hidden_layers": 2}')
+    cfg = ContextBenchConfig(model="m", dtype="bfloat16", threads=2, context_lens=(8,), batch_sizes=(1, 2),
+                             new_tokens=6, vllm_python=fake_vllm)
+    cases = [{"context": 8, "batch": batch, "prompts": [[3] * 8] * batch} for batch in (1, 2)]
+    step_ms, command, env = vllm_step_ms(cfg, cases, str(tmp_path))
+    # the shared loop (bench/peers/step_timing.py), imported by the script from its own directory
+    assert len(step_ms) == 2 and all(STEP_S * 1000 * 0.9 < ms < STEP_S * 1000 * 4 for ms in step_ms)
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == "0-1" and command[0] == fake_vllm
