@@ -34,7 +34,7 @@ def router_config(config, plan) -> RouterConfig:
                         max_queue=config.max_queue, limits=limits, tokenizer_threads=config.tokenizer_threads,
                         kv_transport=config.kv_transport_code, drain_timeout_s=config.drain_timeout,
                         local_prefill_max_tokens=config.local_prefill_max_tokens,
-                        request_timeout_s=config.request_timeout)
+                        request_timeout_s=config.request_timeout, migration_limit=config.migration_limit)
 
 
 class DrainingServer(uvicorn.Server):

@@ -138,6 +138,9 @@ class ServeConfig:
     request_timeout: float = flag(600.0, float, "seconds a request may take from admission to its last token; past "
                                                 "them it ends with a 504 (streamed: an error event) and its work on "
                                                 "the workers is cancelled")
+    migration_limit: int = flag(3, int, "how often one stream may move to another decode worker (or the restarted "
+                                        "one) when its decode worker is lost after the first token; it resumes "
+                                        "there from the tokens already sent (0: such streams end with an error)")
     ready_timeout: float = flag(600.0, float, "seconds each worker may take to start")
     prefill_nice: int = flag(10, int, "Unix niceness of prefill workers: where they share CPUs with decode workers "
                                       "and the router, decode steps win (0: same priority)")

@@ -209,11 +209,12 @@ class DecodeWorker(pb_grpc.DecodeWorkerServicer):
         remote = None
         # prompt logprobs need the logits of every prompt position, which only a local prefill
         # computes (the prefill worker sends KV, not logits): such requests prefill here
-        if request.HasField("prefill") and params.prompt_logprobs is None:
+        if request.HasField("prefill") and params.prompt_logprobs is None and not request.resume_token_ids:
             remote = RemoteKV(request.kv_deadline_ms / 1000 or self.config.kv_deadline_s,
                               _POLICIES.get(request.kv_failure_policy, self.config.kv_failure_policy))
         return AddRequest(request_id, list(request.prompt_token_ids), params, stream.put,
-                          cache_salt=request.cache_salt or None, remote_kv=remote)
+                          cache_salt=request.cache_salt or None, remote_kv=remote,
+                          resume_token_ids=tuple(request.resume_token_ids))
 
     async def _remote_prefill(self, request_id: str, request: pb.GenerateRequest, params, admission: _Admission):
         """Ask the prefill worker for the KV this worker lacks. Any failure becomes a

@@ -80,6 +80,14 @@ class IncrementalDetokenizer:
                     break
         return longest
 
+    def replay(self, token_ids: list[int]) -> None:
+        """Consume tokens whose text was handed out before (a sequence resumed on another
+        worker), token by token as they were then: the state after it, held-back text
+        included, is the one that worker had, and none of their text comes out again."""
+        for token_id in token_ids:
+            self.add_token(token_id)
+            self.take_delta(finished=False)
+
     def take_delta(self, finished: bool) -> str:
         """Text not yet handed out that is safe to show (all of it once finished)."""
         upto = len(self.output_text) if finished else len(self.output_text) - self._held_back()

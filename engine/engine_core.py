@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import random
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -146,9 +147,13 @@ class EngineCore:
 
     # -- requests ----------------------------------------------------------------------------
     def make_request(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, cache_salt: str | None = None
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, cache_salt: str | None = None,
+        resume_token_ids: Sequence[int] = (),
     ) -> Request:
-        """Validate and build a Request (nothing is allocated)."""
+        """Validate and build a Request (nothing is allocated). ``resume_token_ids``: a
+        migrated sequence's tokens already generated elsewhere (and sent to the client); they
+        count as output (penalties, min/max tokens, positions of seeded draws, the text) and
+        only what follows them is emitted."""
         max_len = self.config.model.max_model_len
         if not prompt_token_ids:
             raise InvalidParam("prompt", "the prompt is empty; give at least one token")
@@ -172,7 +177,22 @@ class EngineCore:
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         eos = () if params.ignore_eos else self.info.eos_token_ids
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
-        return Request(request_id, list(prompt_token_ids), params, seed, eos, max_tokens, cache_salt=cache_salt)
+        request = Request(request_id, list(prompt_token_ids), params, seed, eos, max_tokens, cache_salt=cache_salt)
+        if resume_token_ids:
+            if params.prompt_logprobs is not None:
+                raise InvalidParam("prompt_logprobs", "a resumed sequence's prompt logprobs were sent before")
+            self._check_resume(list(resume_token_ids), max_tokens, vocab)
+            request.output_token_ids = list(resume_token_ids)
+        return request
+
+    @staticmethod
+    def _check_resume(resume: list[int], max_tokens: int, vocab: int) -> None:
+        bad = [t for t in resume if not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise InvalidParam("resume_token_ids", f"resumed token ids must be in [0, {vocab}); got {bad[:5]}")
+        if len(resume) >= max_tokens:
+            raise InvalidParam("resume_token_ids", f"{len(resume)} tokens resumed leave nothing to generate "
+                                                   f"within max_tokens ({max_tokens})")
 
     def add_request(self, request: Request, kv_export: KVExport | None = None) -> None:
         """Queue a request computed here. With ``kv_export`` (prefill role) the KV of its
@@ -187,9 +207,9 @@ class EngineCore:
         self._new_detokenizer(request)
 
     def _new_detokenizer(self, request: Request) -> None:
-        self._detokenizers[request.request_id] = IncrementalDetokenizer(
-            self.tokenizer, request.prompt_token_ids, request.sampling_params
-        )
+        detokenizer = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, request.sampling_params)
+        detokenizer.replay(request.output_token_ids)  # a resumed sequence's text was sent before
+        self._detokenizers[request.request_id] = detokenizer
 
     # -- decode role: the prompt's KV comes from elsewhere ----------------------------------
     def add_remote_request(

@@ -154,8 +154,9 @@ class Scheduler:
                 break
             self.waiting.popleft()
             if request.status is RequestStatus.WAITING and request.num_preemptions == 0:
-                self.kv.record_lookup(request.num_prompt_tokens, num_cached)
-                request.num_cached_tokens = num_cached
+                # (a resumed sequence's hit may reach into its output: the prompt's share is counted)
+                request.num_cached_tokens = min(num_cached, request.num_prompt_tokens)
+                self.kv.record_lookup(request.num_prompt_tokens, request.num_cached_tokens)
             request.num_computed_tokens = num_cached
             request.status = RequestStatus.RUNNING
             self.running.append(request)

@@ -2,7 +2,10 @@
 
 One HTTP request becomes one or more sequences (prompts x n); each is a Generate stream on a
 decode worker (with a prefill worker as its KV source in disaggregated mode). A sequence
-that fails before its first token is retried once on another worker pair. Cancelling a
+that fails before its first token is retried once on another worker pair; one whose decode
+worker is lost after it moves (at most ``migration_limit`` times) to another decode worker,
+or to the restarted one, which prefills the prompt and the tokens already sent and streams
+on from there: the client sees one stream, no token twice and none missing. Cancelling a
 sequence (client gone, drain deadline) cancels its gRPC call, and the decode worker then
 cancels its prefill: nothing stays behind on any worker."""
 
@@ -12,7 +15,7 @@ import asyncio
 import secrets
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 
@@ -29,6 +32,7 @@ from router.workers import Assignment, WorkerPool, WorkerView
 
 _RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN,
               grpc.StatusCode.DEADLINE_EXCEEDED}
+_LOST = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN}  # with no engine scope
 # how long a retry may wait for a restarted worker where the failed one was its role's only one
 # (Ray restarted a SIGKILLed decode worker and the router found it in ~8 s here); bounded by the
 # request's own deadline too
@@ -43,6 +47,18 @@ class Sequence:
     prompt_index: int  # which prompt of the request
     request: pb.GenerateRequest  # prompt, params, request id; the prefill target is set per attempt
     trace: SequenceTrace | None = None  # its route and workers (stage metrics, trace spans)
+
+
+@dataclass(slots=True)
+class _Moves:
+    """One sequence's attempts so far."""
+
+    deadline: float  # time.monotonic() of its --request-timeout, over all its attempts
+    tried: set[str] = field(default_factory=set)  # the workers that failed it
+    sent: list[int] = field(default_factory=list)  # token ids handed on: a migration resumes after them
+    started: bool = False  # a chunk was handed on
+    retried: bool = False  # failed once before its first token (retried once, at most)
+    migrations: int = 0  # moved to another decode worker after its first token
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +85,11 @@ def _is_own_fault(exc: grpc.aio.AioRpcError) -> bool:
     return _scope(exc) == ErrorScope.REQUEST.value
 
 
+def _is_lost(exc: grpc.aio.AioRpcError) -> bool:
+    """The worker did not answer: its process, its connection or its node is gone."""
+    return exc.code() in _LOST and _scope(exc) is None
+
+
 def api_error(exc: grpc.aio.AioRpcError) -> APIError:
     param = dict(exc.trailing_metadata() or ()).get(ERROR_PARAM_KEY)
     return APIError(_HTTP_STATUS.get(exc.code(), 500), f"worker error ({exc.code().name}): {exc.details()}", param)
@@ -77,10 +98,12 @@ def api_error(exc: grpc.aio.AioRpcError) -> APIError:
 class Dispatcher:
     def __init__(self, pool: WorkerPool, kv_transport: int, local_prefill_max_tokens: int = 0,
                  index: PrefixIndex | None = None, on_decision: Callable[[str], None] = lambda decision: None,
-                 request_timeout_s: float = 600.0) -> None:
+                 request_timeout_s: float = 600.0, migration_limit: int = 3) -> None:
         self.pool = pool
         self.request_timeout_s = request_timeout_s  # a sequence's deadline, over all its attempts
-        # "remote" | "local" | "local_fallback" (no prefill worker) | "retry" | "fallback" (no index answer)
+        # how often a sequence may move to another decode worker after its first token
+        self.migration_limit = migration_limit
+        # "remote" | "local" | "local_fallback" (no prefill worker) | "retry" | "migrate" | "fallback" (no index answer)
         self._on_decision = on_decision
         self.index = index  # None: no prefix index (route by load)
         self.recent = RecentRoutes()  # prefixes on their way to workers, not yet in the index
@@ -90,40 +113,56 @@ class Dispatcher:
         self.active: dict[str, str] = {}  # worker request id -> decode worker address (for drain aborts)
 
     async def stream(self, sequence: Sequence) -> AsyncIterator[pb.GenerateChunk]:
-        deadline = time.monotonic() + self.request_timeout_s
-        tried: set[str] = set()
+        moves = _Moves(time.monotonic() + self.request_timeout_s)
         trace = sequence.trace or SequenceTrace()
         trace.route_started = time.monotonic()
         route = await self.route(sequence.request)
         if self.index is not None and route.hits is None:
             self._on_decision("fallback")  # the index did not answer: routed by load
-        for attempt in range(2):
-            assignment = self.pool.assign(frozenset(tried), route)
-            if assignment is None and attempt == 1:  # the failed worker was the only one: its restart may serve
-                assignment = await self._await_worker(frozenset(tried), route, min(deadline, time.monotonic()
-                                                                                   + RETRY_WAIT_S))
+        while True:
+            assignment = self.pool.assign(frozenset(moves.tried), route)
+            if assignment is None and moves.tried:  # the failed worker was its role's only one: its restart may serve
+                assignment = await self._await_worker(frozenset(moves.tried), route,
+                                                      min(moves.deadline, time.monotonic() + RETRY_WAIT_S))
             if assignment is None:
                 raise APIError(503, "no healthy worker is available; try again shortly",
                                headers={"Retry-After": "1"})
-            if attempt == 0:
+            if trace.route_ended is None:
                 trace.route_ended = time.monotonic()
             chosen = [assignment.decode.address] + ([assignment.prefill.address] if assignment.prefill else [])
             self.recent.remember(list(route.digests), chosen)
-            started = False
             try:
-                async for chunk in self._attempt(sequence, assignment, route, trace, deadline):
-                    started = True
+                async for chunk in self._attempt(sequence, assignment, route, trace, moves):
+                    moves.started = True
+                    moves.sent.extend(chunk.token_ids)  # handed on: a migration resumes after it
                     yield chunk
                 return
             except grpc.aio.AioRpcError as exc:
-                if time.monotonic() >= deadline:
-                    raise APIError(504, f"the request did not finish within --request-timeout "
-                                        f"({self.request_timeout_s:g} s)") from None
-                failed = self._failed_worker(exc, assignment)
-                if started or attempt == 1 or exc.code() not in _RETRYABLE or _is_own_fault(exc):
-                    raise api_error(exc) from None
-                self._on_decision("retry")
-                tried.add(failed.address)  # only that one: the other worker of the pair may serve the retry
+                self._next_move(exc, assignment, moves)
+
+    def _next_move(self, exc: grpc.aio.AioRpcError, assignment: Assignment, moves: _Moves) -> None:
+        """After a failed attempt: record the next move (a retry before the first token, a
+        migration after it), or raise the error the client gets."""
+        if time.monotonic() >= moves.deadline:
+            raise APIError(504, f"the request did not finish within --request-timeout "
+                                f"({self.request_timeout_s:g} s)") from None
+        failed = self._failed_worker(exc, assignment)
+        if exc.code() not in _RETRYABLE or _is_own_fault(exc):
+            raise api_error(exc) from None
+        if moves.started:
+            # only a worker that is gone (no answer from it) loses its streams to others: one whose
+            # engine reported a failure may have failed on this very sequence, which would take
+            # the next worker down too
+            if moves.migrations >= self.migration_limit or not _is_lost(exc):
+                raise api_error(exc) from None
+            moves.migrations += 1
+            self._on_decision("migrate")
+        else:
+            if moves.retried:
+                raise api_error(exc) from None
+            moves.retried = True
+            self._on_decision("retry")
+        moves.tried.add(failed.address)  # only that one: the other worker of the pair may serve the next attempt
 
     async def _await_worker(self, exclude: frozenset[str], route: RouteRequest, until: float) -> Assignment | None:
         """A pair once one serves (a restarted incarnation has a new address), or None at ``until``."""
@@ -163,19 +202,17 @@ class Dispatcher:
         return RouteRequest(num_prompt, hits, tuple(digests), indexed)
 
     async def _attempt(self, sequence: Sequence, assignment: Assignment, route: RouteRequest,
-                       trace: SequenceTrace, deadline: float) -> AsyncIterator[pb.GenerateChunk]:
-        request = pb.GenerateRequest()
-        request.CopyFrom(sequence.request)
-        # unique per attempt on the workers: clients may reuse ids, and a stale stream of an
-        # earlier attempt (or request) must never meet this one (as vLLM, a random suffix)
-        request.request_id = f"{sequence.request.request_id}-{secrets.token_hex(4)}"
+                       trace: SequenceTrace, moves: _Moves) -> AsyncIterator[pb.GenerateChunk]:
+        request = self._attempt_request(sequence, moves)
         decode, prefill = assignment.decode, assignment.prefill
         num_prompt = len(request.prompt_token_ids)
         # what the decode worker lacks, by what it really holds (not by what is on its way there)
         missing = num_prompt - (route.indexed_hits or {}).get(decode.address, 0)
-        if missing <= self.local_prefill_max_tokens or request.params.HasField("prompt_logprobs"):
-            prefill = None  # short, or needs prompt logprobs (computed only where the prompt is prefilled)
-        self._on_decision("local_fallback" if assignment.prefill_lost else "local" if prefill is None else "remote")
+        if moves.started or missing <= self.local_prefill_max_tokens or request.params.HasField("prompt_logprobs"):
+            prefill = None  # resumed, short, or needs prompt logprobs (computed only where the prompt is prefilled)
+        if not moves.started:
+            self._on_decision("local_fallback" if assignment.prefill_lost else "local" if prefill is None
+                              else "remote")
         trace.attempts += 1
         trace.decode, trace.prefill = decode.address, prefill.address if prefill else None
         if prefill is not None:
@@ -186,7 +223,7 @@ class Dispatcher:
         decode.in_flight += 1
         self.active[request.request_id] = decode.address
         call = self.pool.decode_stub(decode).Generate(request, metadata=self.pool.metadata + trace.metadata,
-                                                      timeout=max(0.001, deadline - time.monotonic()))
+                                                      timeout=max(0.001, moves.deadline - time.monotonic()))
         prefilling = prefill is not None
         try:
             async for chunk in call:
@@ -194,6 +231,8 @@ class Dispatcher:
                     prefilling = False
                     prefill.in_flight -= 1
                     prefill.prompt_tokens_in_flight -= num_prompt
+                if moves.started:
+                    chunk.num_cached_tokens = 0  # the usage's cached tokens are the first worker's
                 yield chunk
         finally:
             call.cancel()  # no-op when it completed; otherwise the workers drop the request
@@ -202,6 +241,18 @@ class Dispatcher:
             if prefilling:
                 prefill.in_flight -= 1
                 prefill.prompt_tokens_in_flight -= num_prompt
+
+    @staticmethod
+    def _attempt_request(sequence: Sequence, moves: _Moves) -> pb.GenerateRequest:
+        request = pb.GenerateRequest()
+        request.CopyFrom(sequence.request)
+        # unique per attempt on the workers: clients may reuse ids, and a stale stream of an
+        # earlier attempt (or request) must never meet this one (as vLLM, a random suffix)
+        request.request_id = f"{sequence.request.request_id}-{secrets.token_hex(4)}"
+        if moves.started:  # a migration: the new decode worker prefills prompt + sent tokens and goes on
+            request.resume_token_ids[:] = moves.sent
+            request.params.ClearField("prompt_logprobs")  # sent with the first token
+        return request
 
     async def merged(self, sequences: list[Sequence]) -> AsyncIterator[SequenceChunk | SequenceFailed]:
         """All sequences at once, chunks in arrival order. Closing the iterator cancels them."""

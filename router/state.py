@@ -44,10 +44,13 @@ class RouterConfig:
     drain_timeout_s: float = 30.0  # --drain-timeout
     local_prefill_max_tokens: int = 0  # --local-prefill-max-tokens: shorter prompts skip the prefill worker
     request_timeout_s: float = 600.0  # --request-timeout: admission to last token, or 504
+    migration_limit: int = 3  # --migration-limit: moves to another decode worker after the first token
 
     def __post_init__(self) -> None:
         if self.max_queue < 1 or self.tokenizer_threads < 1 or self.max_model_len < 2:
             raise ValueError("max_queue and tokenizer_threads must be >= 1, max_model_len >= 2")
+        if self.migration_limit < 0:
+            raise ValueError(f"migration_limit must be >= 0, got {self.migration_limit}")
         if not self.request_timeout_s > 0:
             raise ValueError(f"request_timeout_s must be > 0, got {self.request_timeout_s}")
 
@@ -65,7 +68,8 @@ class RouterState:
         self.pool = pool
         self.index = index
         self.dispatcher = Dispatcher(pool, config.kv_transport, config.local_prefill_max_tokens, index,
-                                     on_decision=self.record_decision, request_timeout_s=config.request_timeout_s)
+                                     on_decision=self.record_decision, request_timeout_s=config.request_timeout_s,
+                                     migration_limit=config.migration_limit)
         self.draining = False
         self.num_in_flight = 0
         self.started = time.time()

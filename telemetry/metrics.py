@@ -48,7 +48,8 @@ class RouterMetrics:
                                      buckets=TTFT_BUCKETS, registry=registry)
         self.decisions = Counter("tandem:routing_decisions", "Dispatch decisions: remote or local prefill, "
                                  "local_fallback (no prefill worker serves: the decode worker prefills), retry "
-                                 "on another worker, fallback to load routing", ["decision"], registry=registry)
+                                 "on another worker, migrate (a stream moved after its decode worker was lost), "
+                                 "fallback to load routing", ["decision"], registry=registry)
 
 
 class ClusterCollector:
