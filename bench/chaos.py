@@ -1,6 +1,7 @@
 """`tandem bench chaos`: steady load on a live `tandem serve` while faults are injected from
-outside, one at a time, as production would meet them: SIGKILL of a worker process, SIGSTOP of
-the decode worker for a while then SIGCONT, the prefix index's Redis killed and restarted,
+outside, one at a time, as production would meet them: SIGKILL of a worker process (for the decode
+worker also once every one of a few streams has its first tokens: they must complete, moved to
+the restarted worker), SIGSTOP of the decode worker for a while then SIGCONT, the prefix index's Redis killed and restarted,
 clients that go away mid-request, poison requests.
 
 Every request is a greedy float32 completion of one of a few prompts, compared with the answer
@@ -28,7 +29,8 @@ from dataclasses import dataclass, field
 import httpx
 import psutil
 
-FAULTS = ("kill-prefill", "kill-decode", "stop-decode", "redis", "disconnect", "poison")
+FAULTS = ("kill-prefill", "kill-decode", "kill-decode-mid-stream", "stop-decode", "redis", "disconnect", "poison")
+MID_STREAMS = 8  # kill-decode-mid-stream: the streams in flight when the decode worker is killed
 NEAR_TIE = 1e-3  # DESIGN.md's token-equality rule (float32)
 PROMPTS = ["The lighthouse keeper wrote in his log that", "Three things to pack for a long hike:",
            "The recipe for bread begins with", "A short poem about the tide:", "The train left the station and"]
@@ -167,6 +169,60 @@ def _kill(role: str):
     return inject
 
 
+def _kill_mid_stream(references: dict[str, Reference]):
+    def inject(cluster: LiveCluster, cfg: ChaosConfig, row: FaultRow) -> asyncio.Task:
+        return asyncio.create_task(_streams_cut(cluster, cfg, references, row))
+    return inject
+
+
+async def _streams_cut(cluster: LiveCluster, cfg: ChaosConfig, references: dict[str, Reference],
+                       row: FaultRow) -> list[_Outcome]:
+    """MID_STREAMS streamed requests; once each has a token, SIGKILL the decode worker. Their
+    outcomes (each should complete: migrated to the restarted worker, issue 23)."""
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(MID_STREAMS)]
+    firsts = [asyncio.Event() for _ in prompts]
+    async with httpx.AsyncClient() as client:
+        sent = time.monotonic()
+        tasks = [asyncio.create_task(_stream_one(client, cluster, cfg, p, references[p], first))
+                 for p, first in zip(prompts, firsts)]
+        try:
+            await asyncio.wait_for(asyncio.gather(*(first.wait() for first in firsts)), cfg.request_timeout_s)
+            address = (await asyncio.to_thread(cluster.workers, "decode"))[0]
+            (await asyncio.to_thread(cluster.process, address)).send_signal(signal.SIGKILL)
+            row.notes.append(f"SIGKILL decode worker {address} with {MID_STREAMS} streams past their first token")
+        except TimeoutError:
+            row.notes.append("the streams had no first token in time: nothing killed")
+        kinds = [await task for task in tasks]
+    done = sum(kind in ("completed", "near_tie") for kind in kinds)
+    row.notes.append(f"{done} of the {MID_STREAMS} streams completed with the reference's tokens")
+    return [_Outcome(sent, kind) for kind in kinds]
+
+
+async def _stream_one(client: httpx.AsyncClient, cluster: LiveCluster, cfg: ChaosConfig, prompt: str,
+                      reference: Reference, first: asyncio.Event) -> str:
+    tokens: list[str] = []
+    try:
+        async with client.stream("POST", f"{cluster.base_url}/v1/completions", json=_body(cfg, prompt, stream=True),
+                                 timeout=cfg.request_timeout_s) as response:
+            async for line in response.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                event = json.loads(line[6:])
+                if "error" in event:
+                    return "failed"
+                for choice in event.get("choices") or []:
+                    tokens += (choice.get("logprobs") or {}).get("tokens") or []
+                if tokens:
+                    first.set()
+    except httpx.TimeoutException:
+        return "hung"
+    except (httpx.HTTPError, json.JSONDecodeError):
+        return "other"
+    finally:
+        first.set()  # failed before a token: the kill need not wait for it
+    return reference.judge(tokens)
+
+
 async def _after(delay_s: float, undo) -> None:
     try:
         await asyncio.sleep(delay_s)
@@ -255,7 +311,7 @@ async def run_fault(cluster: LiveCluster, cfg: ChaosConfig, fault: str, referenc
     start = time.monotonic()
     load = asyncio.create_task(_load(cluster, cfg, references, start + cfg.window_s, rng))
     await asyncio.sleep(cfg.inject_after_s)
-    role = {"kill-prefill": "prefill", "kill-decode": "decode"}.get(fault)
+    role = {"kill-prefill": "prefill", "kill-decode": "decode", "kill-decode-mid-stream": "decode"}.get(fault)
     before = await asyncio.to_thread(cluster.workers, role) if role else []
     injected = time.monotonic()
     undo = inject(cluster, cfg, row)
@@ -263,7 +319,8 @@ async def run_fault(cluster: LiveCluster, cfg: ChaosConfig, fault: str, referenc
     outcomes = await load
     for pending in (undo, watch):
         if pending is not None:
-            await pending
+            outcomes += await pending or []  # an injector's own requests (kill-decode-mid-stream)
+    outcomes.sort(key=lambda outcome: outcome.sent_at)
     for outcome in outcomes:
         row.completed += outcome.kind == "near_tie"
         kind = "near_ties" if outcome.kind == "near_tie" else outcome.kind
@@ -325,7 +382,8 @@ def run_chaos(cfg: ChaosConfig, log=print) -> ChaosResult:
         base_url = launched.start().removesuffix("/v1")
         cluster = LiveCluster(base_url, launched)
         references = _references(cluster, cfg)
-        injectors = {"kill-prefill": _kill("prefill"), "kill-decode": _kill("decode"), "stop-decode": _stop_decode,
+        injectors = {"kill-prefill": _kill("prefill"), "kill-decode": _kill("decode"),
+                     "kill-decode-mid-stream": _kill_mid_stream(references), "stop-decode": _stop_decode,
                      "redis": _redis(redis), "disconnect": _disconnect, "poison": _poison}
         rows, rng = [], random.Random(cfg.seed)
         for fault in cfg.faults:

@@ -103,7 +103,7 @@ def init_ray(attempts: int = 3, **kwargs) -> None:
 class Placement:
     num_cpus: float = 0.5  # Ray's CPU accounting only; threads are pinned by EngineArgs.num_threads
     num_gpus: float = 0.0  # Ray sets CUDA_VISIBLE_DEVICES to what it grants (none: no GPU visible)
-    max_restarts: int = 3
+    max_restarts: int = -1  # Ray restarts a dead worker this often (-1: always, as Kubernetes does a pod)
     ready_timeout_s: float = 180.0
     nice: int = 0  # Unix niceness of the worker's process (0: unchanged)
 

@@ -227,7 +227,7 @@ class WorkerLauncher:
 
         server = ServerConfig("", config.worker_port, plan.secret)
         index = PrefixIndexConfig(plan.redis_url)
-        placement = Placement(ready_timeout_s=config.ready_timeout)
+        placement = Placement(ready_timeout_s=config.ready_timeout, max_restarts=config.worker_max_restarts)
         self.configs = {
             Role.PREFILL: PrefillWorkerConfig(engine, server, prefix_index=index, tracing=tracing),
             Role.DECODE: DecodeWorkerConfig(engine, server, prefix_index=index, tracing=tracing,

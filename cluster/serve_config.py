@@ -142,6 +142,8 @@ class ServeConfig:
                                         "one) when its decode worker is lost after the first token; it resumes "
                                         "there from the tokens already sent (0: such streams end with an error)")
     ready_timeout: float = flag(600.0, float, "seconds each worker may take to start")
+    worker_max_restarts: int = flag(-1, int, "how often Ray restarts a worker process that died, over the "
+                                             "cluster's life (-1: always)")
     prefill_nice: int = flag(10, int, "Unix niceness of prefill workers: where they share CPUs with decode workers "
                                       "and the router, decode steps win (0: same priority)")
     otlp_endpoint: str | None = flag(None, help="export traces over OTLP here (also: the OTEL_EXPORTER_OTLP_* "
@@ -155,6 +157,9 @@ class ServeConfig:
             if choices and getattr(self, spec.name) not in choices:
                 raise ValueError(f"--{_dashed(spec.name)} (or {env_name(spec.name)}) must be one of "
                                  f"{', '.join(choices)}, got {getattr(self, spec.name)!r}")
+        if self.migration_limit < 0 or self.worker_max_restarts < -1:
+            raise ValueError(f"--migration-limit must be >= 0 (got {self.migration_limit}) and "
+                             f"--worker-max-restarts >= -1 (got {self.worker_max_restarts})")
 
     @classmethod
     def from_namespace(cls, args: argparse.Namespace) -> ServeConfig:

@@ -1,0 +1,32 @@
+"""`tandem serve`'s flags, their TANDEM_* defaults and the checks ServeConfig makes once."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from cluster.serve_config import ServeConfig, add_serve_arguments
+
+
+def config_of(argv: list[str], env: dict | None = None) -> ServeConfig:
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser, env or {})
+    return ServeConfig.from_namespace(parser.parse_args(argv))
+
+
+def test_the_failure_flags_and_their_defaults():
+    config = config_of([])
+    assert (config.migration_limit, config.worker_max_restarts, config.request_timeout) == (3, -1, 600.0)
+    config = config_of(["--migration-limit", "0", "--worker-max-restarts", "5"])
+    assert (config.migration_limit, config.worker_max_restarts) == (0, 5)
+    assert config_of([], {"TANDEM_MIGRATION_LIMIT": "1"}).migration_limit == 1
+
+
+def test_out_of_range_values_are_refused_with_the_flag_named():
+    with pytest.raises(ValueError, match="--migration-limit must be >= 0"):
+        config_of(["--migration-limit", "-1"])
+    with pytest.raises(ValueError, match="--worker-max-restarts >= -1"):
+        config_of(["--worker-max-restarts", "-2"])
+    with pytest.raises(ValueError, match=r"--kv-transport \(or TANDEM_KV_TRANSPORT\) must be one of grpc, torch"):
+        config_of([], {"TANDEM_KV_TRANSPORT": "carrier-pigeon"})
