@@ -1,8 +1,8 @@
 """`tandem bench chaos`: steady load on a live `tandem serve` while faults are injected from
 outside, one at a time, as production would meet them: SIGKILL of a worker process (for the decode
 worker also once every one of a few streams has its first tokens: they must complete, moved to
-the restarted worker), SIGSTOP of the decode worker for a while then SIGCONT, the prefix index's Redis killed and restarted,
-clients that go away mid-request, poison requests.
+the restarted worker), SIGSTOP of the decode worker for a while then SIGCONT, the prefix
+index's Redis killed and restarted, clients that go away mid-request, poison requests.
 
 Every request is a greedy float32 completion of one of a few prompts, compared with the answer
 the same server gave before any fault under DESIGN.md's token-equality rule: a divergence is
