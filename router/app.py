@@ -4,10 +4,13 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import logging
 import time
 import uuid
+from collections.abc import Awaitable
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -47,7 +50,9 @@ def build_app(state: RouterState) -> FastAPI:
 def _generation_routes(app: FastAPI, state: RouterState) -> None:
     async def generate(body: CompletionRequest | ChatCompletionRequest, request: Request):
         prepared = await admit(state, body, request.state.request_id)
-        return await respond(state, prepared, body.stream)
+        if body.stream:  # StreamingResponse itself stops when the client goes away
+            return await respond(state, prepared, body.stream)
+        return await _unless_disconnected(request, respond(state, prepared, body.stream))
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
@@ -105,6 +110,31 @@ def _service_routes(app: FastAPI, state: RouterState) -> None:
     @app.get("/metrics")
     async def metrics():
         return Response(generate_latest(state.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+async def _unless_disconnected(request: Request, answer: Awaitable[Response]) -> Response:
+    """A whole (not streamed) answer, cancelled, and with it the request on every worker, if
+    the client goes away first: nothing else notices before the answer is written."""
+    work = asyncio.ensure_future(answer)
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not work.done():
+            work.cancel()
+    if work.cancelled() or not work.done():
+        with contextlib.suppress(asyncio.CancelledError):
+            await work
+        logger.info("request %s: the client went away; cancelled", request.state.request_id)
+        return Response(status_code=499)  # nobody reads it (nginx's "client closed request")
+    return work.result()
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client has closed its connection (the body was read before)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 def _tokenize(state: RouterState, body: TokenizeRequest) -> list[int]:

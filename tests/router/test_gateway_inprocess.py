@@ -8,6 +8,7 @@ import json
 import threading
 
 import httpx
+import pytest
 import uvicorn
 
 from bench.launch import free_port
@@ -23,10 +24,11 @@ from worker_runtime.server import ServerConfig
 
 
 class Gateway:
-    def __init__(self, model_dir, decode_addresses: list[str], tracing=None) -> None:
+    def __init__(self, model_dir, decode_addresses: list[str], tracing=None, **config) -> None:
         self.pool = WorkerPool(decode_addresses, [], SECRET, RoundRobinPolicy(), poll_interval_s=0.2)
         self.pool.failures_to_drop = 1
-        state = RouterState(RouterConfig("tiny", 512), load_model_info(str(model_dir)), self.pool, tracing=tracing)
+        state = RouterState(RouterConfig("tiny", 512, **config), load_model_info(str(model_dir)), self.pool,
+                            tracing=tracing)
         self.state = state
         self.port = free_port()
         self.server = uvicorn.Server(uvicorn.Config(build_app(state), host="127.0.0.1", port=self.port,
@@ -56,11 +58,16 @@ def start_decode_worker(model_dir, tracing=None) -> DecodeWorker:
     return worker
 
 
-def test_worker_dying_mid_stream_ends_the_stream_with_an_error_event(tiny_llama_dir):
+@pytest.mark.parametrize("migration_limit", [0, 3])
+def test_worker_dying_mid_stream_ends_the_stream_with_an_error_event(tiny_llama_dir, migration_limit):
+    """Its only decode worker gone for good: with migration off the stream ends at once with the
+    worker's error; with it on, the stream waits for a worker within --request-timeout (3 s
+    here), then ends with a 503 (none came back)."""
     worker = start_decode_worker(tiny_llama_dir)
     body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 400, "ignore_eos": True, "stream": True}
     try:
-        with Gateway(tiny_llama_dir, [worker.address]) as gateway:
+        with Gateway(tiny_llama_dir, [worker.address], migration_limit=migration_limit,
+                     request_timeout_s=3.0) as gateway:
             wait_until(lambda: httpx.get(f"{gateway.url}/ready", timeout=5).status_code == 200, what="ready")
             with httpx.stream("POST", f"{gateway.url}/v1/completions", json=body, timeout=60) as response:
                 lines = response.iter_lines()
@@ -70,7 +77,10 @@ def test_worker_dying_mid_stream_ends_the_stream_with_an_error_event(tiny_llama_
                 events = [line[6:] for line in lines if line.startswith("data: ")]
             assert events[-1] == "[DONE]"
             error = json.loads(events[-2])["error"]
-            assert error["code"] >= 500 and "worker error" in error["message"]
+            if migration_limit:
+                assert error["code"] == 503 and "no healthy worker" in error["message"], error
+            else:
+                assert error["code"] >= 500 and "worker error" in error["message"], error
             # with its only worker gone the gateway is not ready and says so
             wait_until(lambda: httpx.get(f"{gateway.url}/ready", timeout=5).status_code == 503, what="not ready")
             refused = httpx.post(f"{gateway.url}/v1/completions", json={**body, "stream": False}, timeout=10)
