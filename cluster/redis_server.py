@@ -4,11 +4,14 @@ loopback only, a random password, no persistence, stopped with its owner."""
 
 from __future__ import annotations
 
+import ctypes
 import os
 import secrets
 import shutil
+import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 
@@ -27,8 +30,23 @@ def redis_server_binary() -> str:
     return bundled
 
 
+_LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform == "linux" else None
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent(sig: int = signal.SIGKILL) -> None:
+    """In a child, before exec (nothing imported or locked there): ``sig`` when its parent dies
+    (Linux; elsewhere nothing)."""
+    if _LIBC is not None:
+        _LIBC.prctl(_PR_SET_PDEATHSIG, sig)
+
+
 class PrivateRedis:
-    def __init__(self) -> None:
+    def __init__(self, fate_share: bool = False) -> None:
+        # fate_share (Linux): the server is killed if its owner dies without stopping it (a
+        # SIGKILLed `tandem serve`). The kernel ties it to the thread that starts it, so only an
+        # owner that starts it on its main thread asks for it.
+        self.fate_share = fate_share and sys.platform == "linux"
         self.password = secrets.token_urlsafe(24)
         self._dir = tempfile.mkdtemp(prefix="tandem-redis-")
         with socket.socket() as sock:
@@ -43,7 +61,8 @@ class PrivateRedis:
     def start(self, timeout_s: float = 15.0) -> str:
         command = [redis_server_binary(), "--port", str(self.port), "--bind", "127.0.0.1", "--requirepass",
                    self.password, "--save", "", "--appendonly", "no", "--dir", self._dir, "--protected-mode", "yes"]
-        self.process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                        preexec_fn=die_with_parent if self.fate_share else None)
         client = redis.Redis.from_url(self.url, socket_timeout=1, socket_connect_timeout=1)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:

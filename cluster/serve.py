@@ -75,7 +75,10 @@ def run_serve(args: argparse.Namespace) -> int:
     # Ray's control plane (which pickles) authenticated; Ray reads this when imported.
     os.environ.setdefault("RAY_AUTH_MODE", "token")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    from cluster import reaper
     from cluster.actors import WorkerStartupError
+
+    reaper.start()  # should this process be SIGKILLed, what it starts below goes with it
 
     cluster = ServeCluster(ServeConfig.from_namespace(args))
     try:
@@ -171,7 +174,7 @@ class ServeCluster:
             return self.config.redis_url
         from cluster.redis_server import PrivateRedis
 
-        self._private_redis = PrivateRedis()
+        self._private_redis = PrivateRedis(fate_share=True)  # gone with this process, even SIGKILLed
         url = self._private_redis.start()
         say(f"prefix index: private Redis on 127.0.0.1:{self._private_redis.port}")
         return url
