@@ -121,7 +121,8 @@ class Dispatcher:
             self._on_decision("fallback")  # the index did not answer: routed by load
         while True:
             assignment = self.pool.assign(frozenset(moves.tried), route)
-            if assignment is None and moves.tried:  # the failed worker was its role's only one: its restart may serve
+            if assignment is None and (moves.retried or moves.migrations):  # the failed one was its role's only one:
+                # its restart may serve (or, after a migration, the same worker once it answers again)
                 assignment = await self._await_worker(frozenset(moves.tried), route,
                                                       min(moves.deadline, time.monotonic() + RETRY_WAIT_S))
             if assignment is None:
@@ -157,11 +158,14 @@ class Dispatcher:
                 raise api_error(exc) from None
             moves.migrations += 1
             self._on_decision("migrate")
-        else:
-            if moves.retried:
-                raise api_error(exc) from None
-            moves.retried = True
-            self._on_decision("retry")
+            # out of routing until its Stats answer again: a restarted one has a new address, and
+            # one that was only unreachable for a while (stopped, partitioned) may take it back
+            self.pool.mark_unreachable(failed, exc.details())
+            return
+        if moves.retried:
+            raise api_error(exc) from None
+        moves.retried = True
+        self._on_decision("retry")
         moves.tried.add(failed.address)  # only that one: the other worker of the pair may serve the next attempt
 
     async def _await_worker(self, exclude: frozenset[str], route: RouteRequest, until: float) -> Assignment | None:
