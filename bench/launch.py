@@ -121,3 +121,73 @@ class LaunchedCommand(_Launched):
             return httpx.get(self.health_url, timeout=2).status_code == 200
         except httpx.HTTPError:
             return False
+
+
+class RayHead:
+    """A Ray cluster of its own (``ray start --head``, token auth) for a `tandem serve
+    --ray-address` to join, as on a real cluster, so that its workers can outlive it.
+    ``stop`` kills exactly this head's processes (``ray stop`` would stop every Ray on the
+    machine)."""
+
+    def __init__(self, resources: dict[str, float], num_cpus: int | None = None) -> None:
+        import secrets
+        import tempfile
+
+        self.resources, self.num_cpus = resources, num_cpus or os.cpu_count()
+        self.port = free_port()
+        self.temp_dir = tempfile.mkdtemp(prefix="tandem-ray-")
+        # what a process joining it needs: the token, and worker processes at niceness 0 (Ray's
+        # default is 15, below the router)
+        self.join_env = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32), "RAY_worker_niceness": "0"}
+        self.env = {**{k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}, **self.join_env}
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def start(self, timeout_s: float = 120.0) -> str:
+        import json
+
+        ray = os.path.join(os.path.dirname(sys.executable), "ray")
+        command = [ray, "start", "--head", "--node-ip-address", "127.0.0.1", "--port", str(self.port),
+                   "--num-cpus", str(self.num_cpus), "--resources", json.dumps(self.resources),
+                   "--include-dashboard", "false", "--disable-usage-stats", "--temp-dir", self.temp_dir,
+                   "--ray-client-server-port", str(free_port()), "--dashboard-agent-listen-port", str(free_port())]
+        done = subprocess.run(command, env=self.env, capture_output=True, text=True, timeout=timeout_s)
+        if done.returncode != 0:
+            self.stop()
+            raise RuntimeError(f"ray start exited with {done.returncode}:\n{done.stderr[-4000:]}")
+        return self.address
+
+    def processes(self) -> list:
+        """This head's processes (they name its temp dir) and all their children."""
+        import psutil
+
+        found: dict[int, psutil.Process] = {}
+        for process in psutil.process_iter(["cmdline"]):
+            if any(self.temp_dir in part for part in process.info["cmdline"] or ()):
+                found[process.pid] = process
+                try:
+                    found.update({child.pid: child for child in process.children(recursive=True)})
+                except psutil.NoSuchProcess:
+                    continue
+        return list(found.values())
+
+    def stop(self) -> None:
+        import shutil
+
+        import psutil
+
+        for process in self.processes():
+            try:
+                process.kill()
+            except psutil.NoSuchProcess:
+                continue
+        shutil.rmtree(self.temp_dir, ignore_errors=True)
+
+    def __enter__(self) -> RayHead:
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -6,6 +6,11 @@ own gRPC port. Actors ask for a custom resource named after their role (``prefil
 threads (``EngineArgs.num_threads``). Ray restarts a dead actor (its constructor runs again
 and binds a new port when the port is 0); ``WorkerHandle.refresh`` finds the new address.
 A worker that is not ready within its deadline is a startup error, never a hang.
+
+Under ``--ray-address`` the actors are detached and named (cluster/detached.py): they outlive
+the router that started them, a restarted router attaches to them, and one that no router has
+called for ``Placement.orphan_timeout_s`` drains and ends itself (for good: Ray does not
+restart an actor killed with ``no_restart``).
 """
 
 from __future__ import annotations
@@ -46,7 +51,8 @@ class WorkerActor:
     """The Ray actor around one worker. Ray pickles only what its own control plane carries
     (the config at construction, small replies); requests and KV go over the worker's gRPC."""
 
-    def __init__(self, role: Role, config: PrefillWorkerConfig | DecodeWorkerConfig, nice: int = 0) -> None:
+    def __init__(self, role: Role, config: PrefillWorkerConfig | DecodeWorkerConfig, nice: int = 0,
+                 orphan_timeout_s: float | None = None) -> None:
         self.role = Role(role)
         if nice > 0:  # below decode workers and the router where they share CPUs (lowering needs no privilege)
             os.nice(nice)
@@ -55,12 +61,34 @@ class WorkerActor:
         self.worker = PrefillWorker(config) if self.role == Role.PREFILL else DecodeWorker(config)
         self.worker.runtime.exit_on_engine_death = _exit_soon  # then Ray restarts this actor
         self.address = self.worker.start()
+        if orphan_timeout_s:
+            threading.Thread(target=self._end_when_orphaned, args=(orphan_timeout_s,), name="orphan-watch",
+                             daemon=True).start()
 
     def ready(self) -> str:
+        self.worker.runtime.server.touch()  # a router attaching: not an orphan
         return self.address
 
     def pid(self) -> int:
         return os.getpid()
+
+    def _end_when_orphaned(self, timeout_s: float, drain_s: float = 30.0) -> None:
+        """Once no router has called for ``timeout_s`` (its Stats polls come twice a second):
+        finish what runs (``drain_s`` at most), stop, and end this actor for good."""
+        server = self.worker.runtime.server
+        while server.idle_s() < timeout_s:
+            time.sleep(min(1.0, timeout_s / 4))
+        logging.getLogger(__name__).warning("%s worker %s: no router called for %.0f s; draining and exiting",
+                                            self.role, self.address, timeout_s)
+        server.set_serving(False)
+        deadline = time.monotonic() + drain_s
+        while time.monotonic() < deadline:
+            stats = self.worker.stats()
+            if not (stats.num_running or stats.num_waiting or stats.num_waiting_for_remote_kv):
+                break
+            time.sleep(0.2)
+        self.worker.stop()
+        ray.kill(ray.get_runtime_context().current_actor, no_restart=True)
 
     def stats(self) -> bytes:
         """A serialized WorkerStats."""
@@ -106,6 +134,8 @@ class Placement:
     max_restarts: int = -1  # Ray restarts a dead worker this often (-1: always, as Kubernetes does a pod)
     ready_timeout_s: float = 180.0
     nice: int = 0  # Unix niceness of the worker's process (0: unchanged)
+    detached: bool = False  # outlives the driver (the router) that starts it; then it needs a name
+    orphan_timeout_s: float | None = None  # a detached worker no router called for this long ends (None: never)
 
 
 def _forwarded_env() -> dict[str, str]:
@@ -124,14 +154,20 @@ def launch_worker(role: Role | str, config, placement: Placement = Placement(), 
     actor = ray.remote(WorkerActor).options(
         num_cpus=placement.num_cpus, num_gpus=placement.num_gpus, resources={role: 1},
         max_restarts=placement.max_restarts, max_task_retries=0, name=name,
-        runtime_env={"env_vars": env} if env else None,
-    ).remote(role, config, placement.nice)
+        lifetime="detached" if placement.detached else None, runtime_env={"env_vars": env} if env else None,
+    ).remote(role, config, placement.nice, placement.orphan_timeout_s)
     try:
         address = _wait_ready(role, actor, placement.ready_timeout_s)
     except WorkerStartupError:
         ray.kill(actor, no_restart=True)
         raise
     return WorkerHandle(role, actor, address)
+
+
+def attach_worker(role: Role, actor, timeout_s: float) -> WorkerHandle:
+    """A handle on a live worker actor found by name (cluster/detached.py); raises
+    WorkerStartupError if it does not answer within ``timeout_s``."""
+    return WorkerHandle(Role(role), actor, _wait_ready(role, actor, timeout_s))
 
 
 def _wait_ready(role: str, actor, timeout_s: float) -> str:

@@ -65,14 +65,17 @@ class PrivateRedis:
                                         preexec_fn=die_with_parent if self.fate_share else None)
         client = redis.Redis.from_url(self.url, socket_timeout=1, socket_connect_timeout=1)
         deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"redis-server exited with {self.process.returncode}")
-            try:
-                if client.ping():
-                    return self.url
-            except redis.RedisError:
-                time.sleep(0.05)
+        try:
+            while time.monotonic() < deadline:
+                if self.process.poll() is not None:
+                    raise RuntimeError(f"redis-server exited with {self.process.returncode}")
+                try:
+                    if client.ping():
+                        return self.url
+                except redis.RedisError:
+                    time.sleep(0.05)
+        finally:
+            client.close()
         self.stop()
         raise TimeoutError(f"redis-server did not answer within {timeout_s} s")
 

@@ -14,6 +14,7 @@ started, in reverse)."""
 from __future__ import annotations
 
 import argparse
+import hashlib
 import logging
 import os
 import sys
@@ -111,6 +112,7 @@ class ServeCluster:
         self._ray = None  # the ray module, once initialised
         self._started_ray = False
         self._private_redis = None
+        self.namespace: str | None = None  # the Ray namespace of a joined cluster's workers
 
     def start(self) -> ServePlan:
         """Ray (started or joined), the model's facts, the mode and the workers' shape, and the
@@ -144,8 +146,45 @@ class ServeCluster:
         say("workers: " + ", ".join(
             f"{role} {'on ' + format(gpus[role], 'g') + ' GPU each' if gpus[role] else 'on the CPU'}"
             for role in (Role.PREFILL, Role.DECODE) if role in sizes))
-        self.plan = ServePlan(choice.mode, threads, gpus, sizes, max_model_len, self._redis_url(), cluster_secret())
+        self.plan = ServePlan(choice.mode, threads, gpus, sizes, max_model_len, "", "")
+        if config.ray_address:
+            self.plan = self._join_or_attach()
+        else:
+            self.plan = replace(self.plan, redis_url=self._redis_url(), secret=cluster_secret())
         return self.plan
+
+    def _join_or_attach(self) -> ServePlan:
+        """On a joined cluster: attach to the live workers an earlier router started with this
+        configuration (their secret and Redis from the cluster's record), or stop any started
+        with another and begin afresh (cluster/detached.py)."""
+        from cluster import detached
+
+        config, plan = self.config, self.plan
+        env_secret = os.environ.get("TANDEM_CLUSTER_SECRET")
+        fingerprint = detached.config_fingerprint(
+            self.engine_args(), plan.mode, dict(plan.gpus), config.kv_failure_policy, config.prefill_nice,
+            config.worker_port, config.redis_url, self.tracing, config.worker_max_restarts, config.orphan_timeout,
+            hashlib.sha256(env_secret.encode()).hexdigest() if env_secret else None)
+        record = detached.read_record(self.namespace)
+        live = detached.live_workers(timeout_s=30.0)
+        redis_url = config.redis_url or (detached.index_url() if record else None)
+        if live and record is not None and record.fingerprint == fingerprint and redis_url == record.redis_url:
+            self.handles.update({handle.address: handle for handle in live})
+            say(f"attached to {len(live)} live workers in Ray namespace {self.namespace} (started by an earlier "
+                "router with this configuration)")
+            return replace(plan, secret=record.secret, redis_url=record.redis_url)
+        if live or record is not None:
+            say(f"Ray namespace {self.namespace}: stopping what an earlier router started with another "
+                "configuration (or without its prefix index)")
+        for handle in live:
+            self._ray.kill(handle.actor, no_restart=True)
+        detached.stop_named([detached.INDEX_ACTOR])
+        if not config.redis_url:
+            redis_url = detached.start_index(config.orphan_timeout or None)
+            say(f"prefix index: private Redis in the detached actor {detached.INDEX_ACTOR}")
+        record = detached.ClusterRecord(cluster_secret(), redis_url, fingerprint)
+        detached.write_record(self.namespace, record)
+        return replace(plan, secret=record.secret, redis_url=record.redis_url)
 
     def _start_ray(self) -> float:
         """Start Ray (or join ``--ray-address``); the cluster's GPUs."""
@@ -154,8 +193,11 @@ class ServeCluster:
         from cluster.actors import init_ray
 
         self._ray = ray
-        if self.config.ray_address:
-            init_ray(address=self.config.ray_address, logging_level="warning")
+        if self.config.ray_address:  # its workers are detached, in a namespace of this model's (cluster/detached.py)
+            from cluster.detached import cluster_namespace
+
+            self.namespace = cluster_namespace(self.config.name)
+            init_ray(address=self.config.ray_address, namespace=self.namespace, logging_level="warning")
         else:
             # Ray starts its workers at niceness 15 by default: below the router and every other
             # process, so a busy machine preempts decode steps first. Ours run at 0 (prefill
@@ -209,6 +251,11 @@ class ServeCluster:
             for handle in self.handles.values():
                 self._ray.kill(handle.actor, no_restart=True)
             self.handles.clear()
+            if self.namespace is not None and self._ray.is_initialized():
+                from cluster import detached
+
+                detached.stop_named([detached.INDEX_ACTOR])
+                detached.delete_record(self.namespace)
             if self._started_ray:
                 self._ray.shutdown()
         if self._private_redis is not None:
@@ -230,7 +277,9 @@ class WorkerLauncher:
 
         server = ServerConfig("", config.worker_port, plan.secret)
         index = PrefixIndexConfig(plan.redis_url)
-        placement = Placement(ready_timeout_s=config.ready_timeout, max_restarts=config.worker_max_restarts)
+        joined = config.ray_address is not None  # detached, so that they outlive this router
+        placement = Placement(ready_timeout_s=config.ready_timeout, max_restarts=config.worker_max_restarts,
+                              detached=joined, orphan_timeout_s=(config.orphan_timeout or None) if joined else None)
         self.configs = {
             Role.PREFILL: PrefillWorkerConfig(engine, server, prefix_index=index, tracing=tracing),
             Role.DECODE: DecodeWorkerConfig(engine, server, prefix_index=index, tracing=tracing,
@@ -247,7 +296,13 @@ class WorkerLauncher:
         """One worker, once it serves: its address."""
         from cluster.actors import launch_worker
 
-        handle = launch_worker(role, self.configs[role], self.placements[role])
+        placement = self.placements[role]
+        name = None
+        if placement.detached:
+            from cluster.detached import worker_name
+
+            name = worker_name(role)
+        handle = launch_worker(role, self.configs[role], placement, name)
         self.handles[handle.address] = handle
         return handle.address
 
@@ -263,12 +318,16 @@ class WorkerLauncher:
         del self.handles[address]
 
     def launch(self, counts: Mapping[Role, int]) -> None:
-        """Start the pools in parallel (blocking); then raise the first failure, if any."""
+        """Bring the pools up to ``counts`` (workers attached to count), starting the rest in
+        parallel (blocking); then raise the first failure, if any."""
+        counts = {role: max(0, count - len(self.addresses(role))) for role, count in counts.items()}
+        if not any(counts.values()):
+            return  # all attached (cluster/detached.py)
         say(f"starting {counts.get(Role.PREFILL, 0)} prefill and {counts[Role.DECODE]} decode workers "
              f"({self.threads} threads each)")
         began = time.monotonic()
         roles = [role for role, count in counts.items() for _ in range(count)]
-        with ThreadPoolExecutor(len(roles)) as pool:
+        with ThreadPoolExecutor(max(1, len(roles))) as pool:
             pending = [pool.submit(self.start, role) for role in roles]
         errors = [future.exception() for future in pending if future.exception() is not None]
         for handle in self.handles.values():

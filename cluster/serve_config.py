@@ -142,6 +142,9 @@ class ServeConfig:
                                         "one) when its decode worker is lost after the first token; it resumes "
                                         "there from the tokens already sent (0: such streams end with an error)")
     ready_timeout: float = flag(600.0, float, "seconds each worker may take to start")
+    orphan_timeout: float = flag(120.0, float, "with --ray-address, where workers outlive their router: a worker "
+                                               "no router has called for this many seconds drains and exits, and "
+                                               "the private Redis once it has had no client for as long (0: never)")
     worker_max_restarts: int = flag(-1, int, "how often Ray restarts a worker process that died, over the "
                                              "cluster's life (-1: always)")
     prefill_nice: int = flag(10, int, "Unix niceness of prefill workers: where they share CPUs with decode workers "
@@ -157,6 +160,8 @@ class ServeConfig:
             if choices and getattr(self, spec.name) not in choices:
                 raise ValueError(f"--{_dashed(spec.name)} (or {env_name(spec.name)}) must be one of "
                                  f"{', '.join(choices)}, got {getattr(self, spec.name)!r}")
+        if self.orphan_timeout < 0:
+            raise ValueError(f"--orphan-timeout must be >= 0 seconds, got {self.orphan_timeout}")
         if self.migration_limit < 0 or self.worker_max_restarts < -1:
             raise ValueError(f"--migration-limit must be >= 0 (got {self.migration_limit}) and "
                              f"--worker-max-restarts >= -1 (got {self.worker_max_restarts})")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -39,13 +40,17 @@ class _SecretCheck(grpc.aio.ServerInterceptor):
 
     def __init__(self, secret: str) -> None:
         self._secret = secret.encode()
+        self.last_call = time.monotonic()  # of the last authenticated call (a router polls Stats twice a second)
 
     async def intercept_service(self, continuation, details):
         handler = await continuation(details)
         if details.method.startswith(HEALTH_PREFIX):  # probes (kubelet) carry no secret; status only
             return handler
         sent = dict(details.invocation_metadata or ()).get(SECRET_METADATA_KEY, "")
-        if handler is None or hmac.compare_digest(str(sent).encode(), self._secret):
+        if handler is None:
+            return handler
+        if hmac.compare_digest(str(sent).encode(), self._secret):
+            self.last_call = time.monotonic()
             return handler
         message = "missing or wrong cluster secret"
 
@@ -76,7 +81,16 @@ class WorkerServer:
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="grpc-aio", daemon=True)
         self._server: grpc.aio.Server | None = None
+        self._check = _SecretCheck(config.cluster_secret)
         self.port: int | None = None
+
+    def idle_s(self) -> float:
+        """Seconds since the last call that carried the secret (or since this server was made)."""
+        return time.monotonic() - self._check.last_call
+
+    def touch(self) -> None:
+        """Count now as a call: an owner that reached the worker another way (Ray)."""
+        self._check.last_call = time.monotonic()
 
     @property
     def address(self) -> str:
@@ -88,7 +102,7 @@ class WorkerServer:
         return self.address
 
     async def _start(self) -> int:
-        self._server = grpc.aio.server(interceptors=[_SecretCheck(self.config.cluster_secret)],
+        self._server = grpc.aio.server(interceptors=[self._check],
                                        options=SERVER_OPTIONS)
         self._register(self._server)
         # the standard health service, for gRPC probes on the worker port (Kubernetes, grpc_health_probe)

@@ -21,6 +21,7 @@ def test_the_failure_flags_and_their_defaults():
     config = config_of(["--migration-limit", "0", "--worker-max-restarts", "5"])
     assert (config.migration_limit, config.worker_max_restarts) == (0, 5)
     assert config_of([], {"TANDEM_MIGRATION_LIMIT": "1"}).migration_limit == 1
+    assert config.orphan_timeout == 120.0 and config_of(["--orphan-timeout", "0"]).orphan_timeout == 0.0
 
 
 def test_out_of_range_values_are_refused_with_the_flag_named():
@@ -28,5 +29,7 @@ def test_out_of_range_values_are_refused_with_the_flag_named():
         config_of(["--migration-limit", "-1"])
     with pytest.raises(ValueError, match="--worker-max-restarts >= -1"):
         config_of(["--worker-max-restarts", "-2"])
+    with pytest.raises(ValueError, match="--orphan-timeout must be >= 0"):
+        config_of(["--orphan-timeout", "-1"])
     with pytest.raises(ValueError, match=r"--kv-transport \(or TANDEM_KV_TRANSPORT\) must be one of grpc, torch"):
         config_of([], {"TANDEM_KV_TRANSPORT": "carrier-pigeon"})

@@ -1,0 +1,94 @@
+"""Workers that outlive their router (issue 23): `tandem serve --ray-address` joins a Ray head of
+its own (``ray start --head``, token auth, as on a real cluster), and its workers are detached.
+A router SIGKILLed and started again attaches to the same worker processes and answers as
+before; one that never comes back leaves workers that end themselves after --orphan-timeout;
+a router that drains (SIGTERM) stops everything, as without --ray-address."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import psutil
+import pytest
+
+from bench.launch import RayHead
+from tests.router.conftest import start_server
+from tests.workers import wait_until
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):\n    "]
+
+
+@pytest.fixture(scope="module")
+def ray_head():
+    with RayHead({"prefill": 2, "decode": 2}, num_cpus=2) as head:
+        yield head
+
+
+def actor_pids(head: RayHead, actor: str = "WorkerActor") -> set[int]:
+    pids = set()
+    for process in head.processes():
+        try:
+            if process.cmdline()[:1] and process.cmdline()[0].startswith(f"ray::{actor}"):
+                pids.add(process.pid)
+        except psutil.NoSuchProcess:
+            continue
+    return pids
+
+
+def answers(server) -> list[str]:
+    """Greedy completions of PROMPTS."""
+    out = []
+    for prompt in PROMPTS:
+        reply = httpx.post(f"{server.base_url}/v1/completions", timeout=60, json={
+            "model": "smollm2-135m-instruct", "prompt": prompt, "max_tokens": 12, "temperature": 0})
+        assert reply.status_code == 200, reply.text
+        out.append(reply.json()["choices"][0]["text"])
+    return out
+
+
+def serve(smollm_dir, head: RayHead, *extra: str):
+    return start_server(smollm_dir, "disagg", "--ray-address", head.address, *extra, env=head.join_env)
+
+
+def test_a_restarted_router_attaches_to_the_same_workers(smollm_dir, ray_head):
+    first = serve(smollm_dir, ray_head)
+    second = None
+    try:
+        before = answers(first)
+        workers = actor_pids(ray_head)
+        assert len(workers) == 2 and len(actor_pids(ray_head, "IndexActor")) == 1
+        first.process.kill()
+        first.process.wait(30)
+        time.sleep(2)
+        assert actor_pids(ray_head) == workers  # detached: the router's death did not end them
+        second = serve(smollm_dir, ray_head)
+        assert any("attached to 2 live workers" in line for line in second.log), "".join(second.log[-20:])
+        assert not any("starting 1 prefill" in line for line in second.log)
+        assert answers(second) == before
+        assert actor_pids(ray_head) == workers  # the same processes served it: no restart, no model load
+        second.stop()  # a drain stops everything, attached workers and the private Redis included
+        wait_until(lambda: not actor_pids(ray_head) and not actor_pids(ray_head, "IndexActor"), timeout_s=60,
+                   what="a drained router to stop every worker and the index")
+    finally:
+        for server in (first, second):
+            if server is not None:
+                server.process.kill()
+
+
+def test_workers_no_router_calls_end_themselves(smollm_dir, ray_head):
+    server = serve(smollm_dir, ray_head, "--orphan-timeout", "15")
+    try:
+        assert answers(server)
+        assert len(actor_pids(ray_head)) == 2
+        server.process.kill()
+        server.process.wait(30)
+        killed = time.monotonic()
+        wait_until(lambda: not actor_pids(ray_head), timeout_s=90, what="orphaned workers to exit")
+        assert time.monotonic() - killed >= 10  # they waited for a router first
+        wait_until(lambda: not actor_pids(ray_head, "IndexActor"), timeout_s=90,
+                   what="the private Redis to end once no worker or router used it")
+        time.sleep(3)
+        assert not actor_pids(ray_head)  # ended for good: Ray did not restart them
+    finally:
+        server.process.kill()
