@@ -2,7 +2,10 @@
 outside, one at a time, as production would meet them: SIGKILL of a worker process (for the decode
 worker also once every one of a few streams has its first tokens: they must complete, moved to
 the restarted worker), SIGSTOP of the decode worker for a while then SIGCONT, the prefix
-index's Redis killed and restarted, clients that go away mid-request, poison requests.
+index's Redis killed and restarted, clients that go away mid-request, poison requests, and
+SIGKILL of the router itself, started again at once: the server runs on a Ray head of its own
+(``ray start --head``; `tandem serve --ray-address`, as on a cluster), so its workers are
+detached and the restarted router must attach to the same worker processes.
 
 Every request is a greedy float32 completion of one of a few prompts, compared with the answer
 the same server gave before any fault under DESIGN.md's token-equality rule: a divergence is
@@ -29,7 +32,8 @@ from dataclasses import dataclass, field
 import httpx
 import psutil
 
-FAULTS = ("kill-prefill", "kill-decode", "kill-decode-mid-stream", "stop-decode", "redis", "disconnect", "poison")
+FAULTS = ("kill-prefill", "kill-decode", "kill-decode-mid-stream", "stop-decode", "redis", "disconnect", "poison",
+          "kill-router")
 MID_STREAMS = 8  # kill-decode-mid-stream: the streams in flight when the decode worker is killed
 NEAR_TIE = 1e-3  # DESIGN.md's token-equality rule (float32)
 PROMPTS = ["The lighthouse keeper wrote in his log that", "Three things to pack for a long hike:",
@@ -62,7 +66,7 @@ class FaultRow:
     near_ties: int = 0  # completions that diverged from the reference at a near tie (counted completed)
     blocks_held: dict[str, int] = field(default_factory=dict)  # role -> KV blocks in use once idle
     recovered_s: float | None = None  # injection -> the first request after which all succeeded
-    worker_back_s: float | None = None  # injection -> the restarted worker was back in routing
+    worker_back_s: float | None = None  # injection -> the restarted worker back in routing (kill-router: serving)
     notes: list[str] = field(default_factory=list)
 
 
@@ -73,10 +77,11 @@ class _Outcome:
 
 
 class LiveCluster:
-    """What the bench knows of the server under test: its URL, its log and its processes."""
+    """What the bench knows of the server under test: its URL, its log, and the Ray head its
+    workers run on (bench/launch.py RayHead)."""
 
-    def __init__(self, base_url: str, launched) -> None:
-        self.base_url, self.launched = base_url, launched
+    def __init__(self, base_url: str, launched, head) -> None:
+        self.base_url, self.launched, self.head = base_url, launched, head
 
     def metrics(self) -> str:
         return httpx.get(f"{self.base_url}/metrics", timeout=10).text
@@ -91,16 +96,16 @@ class LiveCluster:
         return sum(float(v) for v in re.findall(pattern, self.metrics(), re.M))
 
     def process(self, address: str) -> psutil.Process:
-        """The process listening on a worker's port (a Ray actor under `tandem serve`)."""
+        """The process listening on a worker's port (a Ray actor on the head)."""
         port = int(address.rsplit(":", 1)[1])
-        for process in psutil.Process(self.launched.process.pid).children(recursive=True):
+        for process in self.head.processes():
             try:
                 if any(c.status == psutil.CONN_LISTEN and c.laddr.port == port
                        for c in process.net_connections("tcp")):
                     return process
             except psutil.NoSuchProcess:
                 continue
-        raise RuntimeError(f"no process of tandem serve listens on {address}")
+        raise RuntimeError(f"no process of the Ray head listens on {address}")
 
     def blocks_held(self) -> dict[str, int]:
         return {role: int(self.gauge("num_kv_blocks", role) - self.gauge("num_free_kv_blocks", role))
@@ -221,6 +226,27 @@ async def _stream_one(client: httpx.AsyncClient, cluster: LiveCluster, cfg: Chao
     finally:
         first.set()  # failed before a token: the kill need not wait for it
     return reference.judge(tokens)
+
+
+def _kill_router(cluster: LiveCluster, cfg: ChaosConfig, row: FaultRow) -> asyncio.Task:
+    return asyncio.create_task(_router_restart(cluster, row))
+
+
+async def _router_restart(cluster: LiveCluster, row: FaultRow) -> list[_Outcome]:
+    """SIGKILL `tandem serve`, start it again at once (same flags and ports); when it served
+    again, and whether from the same worker processes."""
+    workers = cluster.head.actor_pids()
+    killed = time.monotonic()
+    cluster.launched.process.kill()
+    await asyncio.to_thread(cluster.launched.process.wait, 30)
+    cluster.launched = cluster.launched.again()
+    await asyncio.to_thread(cluster.launched.start)
+    row.worker_back_s = time.monotonic() - killed
+    same = cluster.head.actor_pids() == workers and any("attached to" in line for line in cluster.launched.log)
+    row.notes.append(f"router SIGKILLed and started again: serving {row.worker_back_s:.1f} s after the kill, from "
+                     f"{'the same' if same else 'NOT the same'} {len(workers)} worker processes; requests in flight "
+                     "or sent while no router listened end without an answer (other)")
+    return []
 
 
 async def _after(delay_s: float, undo) -> None:
@@ -369,7 +395,7 @@ def _startup_s(log_lines: list[str]) -> float | None:
 
 
 def run_chaos(cfg: ChaosConfig, log=print) -> ChaosResult:
-    from bench.launch import LaunchedServe
+    from bench.launch import LaunchedServe, RayHead
     from cluster.redis_server import PrivateRedis
 
     unknown = set(cfg.faults) - set(FAULTS)
@@ -377,14 +403,19 @@ def run_chaos(cfg: ChaosConfig, log=print) -> ChaosResult:
         raise ValueError(f"unknown faults {sorted(unknown)}; choose from {', '.join(FAULTS)}")
     redis = PrivateRedis()
     redis.start()
-    launched = LaunchedServe(["--model", cfg.model, "--redis-url", redis.url, *cfg.serve_args])
+    head = RayHead({"prefill": 2, "decode": 2})
+    launched = LaunchedServe(["--model", cfg.model, "--redis-url", redis.url, "--ray-address", head.address,
+                              *cfg.serve_args])
+    launched.env.update(head.join_env)
+    cluster = LiveCluster("", launched, head)
     try:
-        base_url = launched.start().removesuffix("/v1")
-        cluster = LiveCluster(base_url, launched)
+        head.start()
+        cluster.base_url = launched.start().removesuffix("/v1")
         references = _references(cluster, cfg)
         injectors = {"kill-prefill": _kill("prefill"), "kill-decode": _kill("decode"),
                      "kill-decode-mid-stream": _kill_mid_stream(references), "stop-decode": _stop_decode,
-                     "redis": _redis(redis), "disconnect": _disconnect, "poison": _poison}
+                     "redis": _redis(redis), "disconnect": _disconnect, "poison": _poison,
+                     "kill-router": _kill_router}
         rows, rng = [], random.Random(cfg.seed)
         for fault in cfg.faults:
             if fault == "kill-prefill" and not cluster.workers("prefill"):
@@ -395,7 +426,8 @@ def run_chaos(cfg: ChaosConfig, log=print) -> ChaosResult:
             log(f"chaos: {fault}: {dataclasses.asdict(rows[-1])}")
         return ChaosResult(rows, _startup_s(launched.log))
     finally:
-        launched.stop()
+        cluster.launched.stop()  # a drain: it stops the workers too
+        head.stop()
         redis.close()
 
 
@@ -407,11 +439,13 @@ def render_chaos(cfg: ChaosConfig, result: ChaosResult) -> str:
     rows = result.rows
     lines = [f"`tandem bench chaos`: {cfg.rate:g} req/s of greedy {cfg.max_tokens}-token completions for "
              f"{cfg.window_s:g} s per fault, the fault {cfg.inject_after_s:g} s in; hung = no answer within "
-             f"{cfg.request_timeout_s:g} s; serve {' '.join(cfg.serve_args)}; workers started in "
+             f"{cfg.request_timeout_s:g} s; serve {' '.join(cfg.serve_args)} --ray-address (a Ray head of its own); "
+             "workers started in "
              f"{_seconds(result.startup_s)} s at first",
              "",
              "| fault | sent | completed (near ties) | failed (OpenAI error) | hung | wrong | other | "
-             "blocks held once idle | succeeding again after (s) | restarted worker back in routing after (s) |",
+             "blocks held once idle | succeeding again after (s) | restarted worker back in routing (router: serving) "
+             "after (s) |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         held = ", ".join(f"{role} {n}" for role, n in r.blocks_held.items()) or "-"
@@ -432,7 +466,7 @@ def register(commands, default_model: str) -> None:
     chaos.add_argument("--stop-seconds", type=float, default=20.0, help="stop-decode: how long the worker is stopped")
     chaos.add_argument("--request-timeout", type=float, default=60.0, help="past this a request counts as hung")
     chaos.add_argument("--serve-args", default="--mode disagg --local-prefill-max-tokens 0 --dtype float32",
-                       help="the tandem serve flags (after --model and --redis-url)")
+                       help="the tandem serve flags (after --model, --redis-url and --ray-address)")
     chaos.add_argument("--out", help="write the rows as JSON here")
     chaos.set_defaults(func=run_cli)
 

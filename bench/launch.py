@@ -99,6 +99,14 @@ class LaunchedServe(_Launched):
 
     name = "tandem serve"
 
+    def again(self) -> LaunchedServe:
+        """The same command (ports included) and environment, not started: a restart."""
+        import copy
+
+        twin = copy.copy(self)
+        twin.log, twin.process = [], None
+        return twin
+
     def _ready(self) -> bool:
         return any(self.wait_for in line for line in self.log)
 
@@ -172,6 +180,20 @@ class RayHead:
                 except psutil.NoSuchProcess:
                     continue
         return list(found.values())
+
+    def actor_pids(self, actor: str = "WorkerActor") -> set[int]:
+        """The pids of this head's live actors of one class (Ray titles them ``ray::Class``)."""
+        import psutil
+
+        pids = set()
+        for process in self.processes():
+            try:
+                title = process.cmdline()
+            except psutil.NoSuchProcess:
+                continue
+            if title and title[0].startswith(f"ray::{actor}") and process.status() != psutil.STATUS_ZOMBIE:
+                pids.add(process.pid)
+        return pids
 
     def stop(self) -> None:
         import shutil

@@ -9,7 +9,6 @@ from __future__ import annotations
 import time
 
 import httpx
-import psutil
 import pytest
 
 from bench.launch import RayHead
@@ -23,17 +22,6 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):\n    "]
 def ray_head():
     with RayHead({"prefill": 2, "decode": 2}, num_cpus=2) as head:
         yield head
-
-
-def actor_pids(head: RayHead, actor: str = "WorkerActor") -> set[int]:
-    pids = set()
-    for process in head.processes():
-        try:
-            if process.cmdline()[:1] and process.cmdline()[0].startswith(f"ray::{actor}"):
-                pids.add(process.pid)
-        except psutil.NoSuchProcess:
-            continue
-    return pids
 
 
 def answers(server) -> list[str]:
@@ -56,19 +44,19 @@ def test_a_restarted_router_attaches_to_the_same_workers(smollm_dir, ray_head):
     second = None
     try:
         before = answers(first)
-        workers = actor_pids(ray_head)
-        assert len(workers) == 2 and len(actor_pids(ray_head, "IndexActor")) == 1
+        workers = ray_head.actor_pids()
+        assert len(workers) == 2 and len(ray_head.actor_pids("IndexActor")) == 1
         first.process.kill()
         first.process.wait(30)
         time.sleep(2)
-        assert actor_pids(ray_head) == workers  # detached: the router's death did not end them
+        assert ray_head.actor_pids() == workers  # detached: the router's death did not end them
         second = serve(smollm_dir, ray_head)
         assert any("attached to 2 live workers" in line for line in second.log), "".join(second.log[-20:])
         assert not any("starting 1 prefill" in line for line in second.log)
         assert answers(second) == before
-        assert actor_pids(ray_head) == workers  # the same processes served it: no restart, no model load
+        assert ray_head.actor_pids() == workers  # the same processes served it: no restart, no model load
         second.stop()  # a drain stops everything, attached workers and the private Redis included
-        wait_until(lambda: not actor_pids(ray_head) and not actor_pids(ray_head, "IndexActor"), timeout_s=60,
+        wait_until(lambda: not ray_head.actor_pids() and not ray_head.actor_pids("IndexActor"), timeout_s=60,
                    what="a drained router to stop every worker and the index")
     finally:
         for server in (first, second):
@@ -80,15 +68,15 @@ def test_workers_no_router_calls_end_themselves(smollm_dir, ray_head):
     server = serve(smollm_dir, ray_head, "--orphan-timeout", "15")
     try:
         assert answers(server)
-        assert len(actor_pids(ray_head)) == 2
+        assert len(ray_head.actor_pids()) == 2
         server.process.kill()
         server.process.wait(30)
         killed = time.monotonic()
-        wait_until(lambda: not actor_pids(ray_head), timeout_s=90, what="orphaned workers to exit")
+        wait_until(lambda: not ray_head.actor_pids(), timeout_s=90, what="orphaned workers to exit")
         assert time.monotonic() - killed >= 10  # they waited for a router first
-        wait_until(lambda: not actor_pids(ray_head, "IndexActor"), timeout_s=90,
+        wait_until(lambda: not ray_head.actor_pids("IndexActor"), timeout_s=90,
                    what="the private Redis to end once no worker or router used it")
         time.sleep(3)
-        assert not actor_pids(ray_head)  # ended for good: Ray did not restart them
+        assert not ray_head.actor_pids()  # ended for good: Ray did not restart them
     finally:
         server.process.kill()

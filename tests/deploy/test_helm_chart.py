@@ -96,10 +96,15 @@ def pod_templates(docs) -> dict[str, dict]:
     return templates
 
 
+def head_containers(docs) -> dict[str, dict]:
+    """The head pod's containers by name (the Ray head's, then the router's)."""
+    containers = one(docs, "RayCluster")["spec"]["headGroupSpec"]["template"]["spec"]["containers"]
+    return {container["name"]: container for container in containers}
+
+
 def serve_argv(docs) -> list[str]:
-    """The head container's `tandem serve ...`, as argv after `tandem`."""
-    head = one(docs, "RayCluster")["spec"]["headGroupSpec"]["template"]["spec"]["containers"][0]
-    script = head["args"][-1]
+    """The router container's `tandem serve ...`, as argv after `tandem`."""
+    script = head_containers(docs)["router"]["args"][-1]
     commands = [shlex.split(part.strip())[2:] for part in script.split(";") if part.strip().startswith("exec tandem ")]
     assert len(commands) == 1, script
     return commands[0]
@@ -210,7 +215,7 @@ def test_core_objects_validate_with_kubernetes_validate(scenario):
 def test_kubernetes_validate_catches_a_broken_pod_template():
     """The check can fail: a probe on a port name given as a number-like typo, a misspelt field."""
     template = json.loads(json.dumps(pod_templates(rendered(None))["router"]))
-    template["spec"]["containers"][0]["readinessProbe"]["httpGet"]["prot"] = 8000
+    template["spec"]["containers"][1]["readinessProbe"]["httpGet"]["prot"] = 8000  # the router's
     results = chart_tool("validate", "1.37.0", stdin=json.dumps(
         [{"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": "x"}, "template": template}]))
     assert not results[0]["ok"] and "prot" in results[0]["error"]
@@ -351,12 +356,18 @@ def test_objects_are_wired_together(scenario):
         assert _matches(group["template"]["metadata"]["labels"], labels[role])
     # draining: the pod's grace period outlasts the preStop pause plus --drain-timeout
     head_pod = templates["router"]["spec"]
-    head = head_pod["containers"][0]
+    head = head_containers(docs)["router"]
     pause = head["lifecycle"]["preStop"]["sleep"]["seconds"]
     assert head_pod["terminationGracePeriodSeconds"] >= pause + args.drain_timeout + 10
     assert args.drain_timeout == values["serve"]["drainTimeoutSeconds"]
     assert head["readinessProbe"]["httpGet"]["path"] == "/ready"
     assert head["livenessProbe"]["httpGet"]["path"] == "/health"
+    # the Ray head outlives the router's pause and drain (the workers finish what is in flight),
+    # and Kubernetes waits for it
+    ray_head = head_containers(docs)["ray-head"]
+    head_stays = ray_head["lifecycle"]["preStop"]["sleep"]["seconds"]
+    assert head_stays >= pause + args.drain_timeout + 5
+    assert head_pod["terminationGracePeriodSeconds"] >= head_stays + 5
     assert args.port == values["ports"]["http"] and args.grpc_port == values["ports"]["grpc"]
     # PDBs select the pods of their component, and only those
     for pdb in (d for d in docs if d["kind"] == "PodDisruptionBudget"):
@@ -384,7 +395,7 @@ def _check_secret_references(docs, values, templates) -> None:
             for arg in container.get("args", []):
                 for name in re.findall(r"\$\((\w+)\)", arg):
                     assert name in defined, f"{component}: args use $({name}) that no env defines"
-    head_env = {e["name"]: e for e in templates["router"]["spec"]["containers"][0]["env"]}
+    head_env = {e["name"]: e for e in head_containers(docs)["router"]["env"]}
     url = head_env["TANDEM_REDIS_URL"]["value"]
     if values["redis"]["mode"] == "bundled":
         redis = one(docs, "Service", url.split("@")[1].split(":")[0])
@@ -401,7 +412,8 @@ def _check_secret_references(docs, values, templates) -> None:
     cluster = one(docs, "RayCluster")
     token_refs = [{e["name"]: e for e in env}["RAY_AUTH_TOKEN"]["valueFrom"]["secretKeyRef"]
                   for env in [cluster["spec"]["autoscalerOptions"]["env"],
-                              *(t["spec"]["containers"][0]["env"] for c, t in templates.items() if c != "redis")]]
+                              *(c["env"] for name, t in templates.items() if name != "redis"
+                                for c in t["spec"]["containers"])]]
     assert len({(r["name"], r["key"]) for r in token_refs}) == 1, token_refs
     for ref in token_refs:
         assert ref["key"] in chart_secrets.get(ref["name"], ()) or (ref["name"], ref["key"]) in existing
@@ -452,7 +464,7 @@ def test_the_router_command_parses_with_the_real_cli_and_follows_the_values(scen
     docs = rendered(scenario)
     values = merged_values(*([CHART / "ci" / f"{scenario}.yaml"] if scenario else []))
     args = build_parser().parse_args(serve_argv(docs))
-    assert args.func.__name__ == "run_serve" and args.ray_address == "auto"
+    assert args.func.__name__ == "run_serve" and args.ray_address == "127.0.0.1:6379"
     assert (args.model, args.dtype, args.mode) == (values["model"]["name"], values["model"]["dtype"],
                                                    values["serve"]["mode"])
     assert args.served_model_name == (values["model"]["servedModelName"] or None)
@@ -465,10 +477,35 @@ def test_the_router_command_parses_with_the_real_cli_and_follows_the_values(scen
     assert args.kv_transport == values["serve"]["kvTransport"] and args.max_num_seqs == values["serve"]["maxNumSeqs"]
     assert (args.device, args.attention_backend, args.gpu_memory_utilization) == (
         values["serve"]["device"], values["serve"]["attentionBackend"], values["serve"]["gpuMemoryUtilization"])
-    script = one(docs, "RayCluster")["spec"]["headGroupSpec"]["template"]["spec"]["containers"][0]["args"][-1]
-    assert "${KUBERAY_GEN_RAY_START_CMD//--block/}" in script  # Ray's head first, in the background
     for group in one(docs, "RayCluster")["spec"]["workerGroupSpecs"]:
         assert "$KUBERAY_GEN_RAY_START_CMD" in group["template"]["spec"]["containers"][0]["args"][-1]
+
+
+@pytest.mark.parametrize("scenario", [None, *_ids(SCENARIOS)], ids=["defaults", *_ids(SCENARIOS)])
+def test_the_router_runs_in_its_own_container_beside_the_ray_head(scenario):
+    """A router crash restarts only the router's container: Ray's head (KubeRay's `ray start`,
+    blocking, as the first container, where KubeRay puts its command) keeps running, and so do
+    the detached workers the restarted router attaches to."""
+    docs = rendered(scenario)
+    containers = head_containers(docs)
+    assert list(containers) == ["ray-head", "router"]
+    ray_head, router = containers["ray-head"], containers["router"]
+    assert ray_head["args"][-1].endswith('eval "exec $KUBERAY_GEN_RAY_START_CMD"')  # --block kept: its main process
+    assert "tandem" not in ray_head["args"][-1] and not any(k in ray_head for k in ("livenessProbe", "startupProbe"))
+    script = router["args"][-1]
+    assert "KUBERAY_GEN_RAY_START_CMD" not in script
+    assert script.startswith("until (exec 3<>/dev/tcp/127.0.0.1/6379)")  # waits for the head's GCS
+    gcs = {p["name"]: p["containerPort"] for p in ray_head["ports"]}["gcs"]
+    assert build_parser().parse_args(serve_argv(docs)).ray_address == f"127.0.0.1:{gcs}"
+    assert {p["name"] for p in router["ports"]} == {"http", "grpc"}
+    # the driver reaches the raylet through its sockets under /tmp/ray: one volume, both containers
+    mounts = [{m["name"]: m["mountPath"] for m in c["volumeMounts"]} for c in (ray_head, router)]
+    assert mounts[0]["tmp"] == mounts[1]["tmp"] == "/tmp"
+    ray_env = {e["name"] for e in ray_head["env"]}
+    assert {"RAY_AUTH_MODE", "RAY_AUTH_TOKEN"} <= ray_env and "TANDEM_CLUSTER_SECRET" not in ray_env
+    values = merged_values(*([CHART / "ci" / f"{scenario}.yaml"] if scenario else []))
+    assert router["resources"] == values["router"]["resources"]
+    assert ray_head["resources"] == values["router"]["rayHeadResources"]
 
 
 def test_extra_args_must_be_real_flags(tmp_path):

@@ -68,16 +68,22 @@ def test_kuberay_raycluster():
     autoscaler_env = {e["name"]: e for e in spec["autoscalerOptions"]["env"]}
     assert autoscaler_env["RAY_AUTH_MODE"]["value"] == "token"
     assert autoscaler_env["RAY_AUTH_TOKEN"]["valueFrom"]["secretKeyRef"]["name"] == "tandem-secrets"
-    head = spec["headGroupSpec"]["template"]["spec"]["containers"][0]
+    ray_head, head = spec["headGroupSpec"]["template"]["spec"]["containers"]
     assert cluster["metadata"]["annotations"]["ray.io/overwrite-container-cmd"] == "true"
+    # Ray's head in its own (first) container; the router in its own, so that its crash restarts only it
+    assert ray_head["name"] == "ray-head" and ray_head["args"][-1].endswith('eval "exec $KUBERAY_GEN_RAY_START_CMD"')
     script = head["args"][-1]
-    # Ray's head in the background, then the router as the container's main process (SIGTERM drains it)
-    assert script.index("${KUBERAY_GEN_RAY_START_CMD//--block/}") < script.index("exec tandem serve")
     (serve,) = serve_commands(script)
     args = _parse(serve)
-    assert args.ray_address == "auto"
+    gcs = {p["name"]: p["containerPort"] for p in ray_head["ports"]}["gcs"]
+    assert args.ray_address == f"127.0.0.1:{gcs}" and f"/dev/tcp/127.0.0.1/{gcs}" in script
+    assert {"name": "tmp", "mountPath": "/tmp"} in ray_head["volumeMounts"] and \
+        {"name": "tmp", "mountPath": "/tmp"} in head["volumeMounts"]  # the raylet's sockets, shared
     pod = spec["headGroupSpec"]["template"]["spec"]
-    assert pod["terminationGracePeriodSeconds"] >= head["lifecycle"]["preStop"]["sleep"]["seconds"] + args.drain_timeout
+    pause = head["lifecycle"]["preStop"]["sleep"]["seconds"]
+    assert pod["terminationGracePeriodSeconds"] >= pause + args.drain_timeout
+    assert ray_head["lifecycle"]["preStop"]["sleep"]["seconds"] >= pause + args.drain_timeout  # the head outlives
+    assert pod["terminationGracePeriodSeconds"] >= ray_head["lifecycle"]["preStop"]["sleep"]["seconds"]
     head_ports = {p["name"]: p["containerPort"] for p in head["ports"]}
     assert (head_ports["http"], head_ports["grpc"]) == (args.port, args.grpc_port)
     assert head["readinessProbe"]["httpGet"] == {"path": "/ready", "port": args.port}
