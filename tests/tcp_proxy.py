@@ -48,3 +48,9 @@ class TcpProxy:
         for writer in list(self._writers):
             writer.transport.abort()
         self._writers.clear()
+
+    async def reopen(self) -> None:
+        """Accept again on the same port: the far side is back where it was (SIGCONT, a healed
+        partition), not a restarted incarnation at a new address."""
+        port = int(self.address.rsplit(":", 1)[1])
+        self._server = await asyncio.start_server(self._accept, "127.0.0.1", port)

@@ -150,6 +150,37 @@ def test_a_stream_moves_to_another_decode_worker_at_once(decode_worker, llm):
     wait_all_free(decode_worker.stats)
 
 
+def test_a_stream_resumes_on_its_worker_when_that_one_answers_again(decode_worker, llm):
+    """A worker that was only unreachable for a while (stopped, partitioned) and comes back at
+    the same address takes its stream back: the migration took it out of routing only until
+    its Stats answered again (the health polls run, as under `tandem serve`)."""
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=2)
+    prompt_ids = llm.get_tokenizer().encode(PROMPT)
+    reference, _ = asyncio.run(run(pool_of([decode_worker.address]), sequences(prompt_ids, params, 1)))
+    back = []
+
+    async def migrated():
+        proxy = await TcpProxy(decode_worker.address).start()
+        pool = pool_of([proxy.address])
+        await pool.start()
+
+        async def on_token(index: int, count: int) -> None:
+            if count == 5 and not back:
+                await proxy.cut()
+                await asyncio.sleep(0.5)
+                await proxy.reopen()
+                back.append(proxy.address)
+
+        streams = await run(pool, sequences(prompt_ids, params, 1), on_token)
+        return streams, [view.address for view in pool.decode]
+
+    ((ours,), decisions), addresses = asyncio.run(migrated())
+    assert back and addresses == back  # the same worker, at the same address, served the rest
+    assert_equal_under_the_rule(ours, reference[0], EqualityStats(), "same address")
+    assert decisions == ["local", "migrate"]
+    wait_all_free(decode_worker.stats)
+
+
 def test_past_the_migration_limit_the_stream_ends_with_an_error(decode_worker, llm):
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     prompt_ids = llm.get_tokenizer().encode(PROMPT)
