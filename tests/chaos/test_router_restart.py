@@ -50,10 +50,12 @@ def test_a_restarted_router_attaches_to_the_same_workers(smollm_dir, ray_head):
         first.process.wait(30)
         time.sleep(2)
         assert ray_head.actor_pids() == workers  # detached: the router's death did not end them
+        began = time.monotonic()
         second = serve(smollm_dir, ray_head)
         assert any("attached to 2 live workers" in line for line in second.log), "".join(second.log[-20:])
         assert not any("starting 1 prefill" in line for line in second.log)
         assert answers(second) == before
+        print(f"restarted router: first answers {time.monotonic() - began:.1f} s after its start")  # stated in README
         assert ray_head.actor_pids() == workers  # the same processes served it: no restart, no model load
         second.stop()  # a drain stops everything, attached workers and the private Redis included
         wait_until(lambda: not ray_head.actor_pids() and not ray_head.actor_pids("IndexActor"), timeout_s=60,
