@@ -35,6 +35,11 @@ from engine.scheduler_types import SampledToken, TokenLogprobs
 from engine.step_budget import StepShape
 
 
+def _outside_vocab(ids, vocab: int) -> list:
+    """The first five ids that are not integers in [0, vocab) (none: an empty list)."""
+    return [t for t in ids if not isinstance(t, int) or not 0 <= t < vocab][:5]
+
+
 @dataclass(frozen=True, slots=True)
 class EngineCoreOutput:
     """One request's progress in one step."""
@@ -158,12 +163,12 @@ class EngineCore:
         if not prompt_token_ids:
             raise InvalidParam("prompt", "the prompt is empty; give at least one token")
         vocab = self.config.model.arch.vocab_size
-        bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab]
+        bad = _outside_vocab(prompt_token_ids, vocab)
         if bad:
-            raise InvalidParam("prompt", f"prompt token ids must be integers in [0, {vocab}); got {bad[:5]}")
-        bad = [t for t in params.stop_token_ids if not 0 <= t < vocab]
+            raise InvalidParam("prompt", f"prompt token ids must be integers in [0, {vocab}); got {bad}")
+        bad = _outside_vocab(params.stop_token_ids, vocab)
         if bad:
-            raise InvalidParam("stop_token_ids", f"stop_token_ids must be in [0, {vocab}); got {bad[:5]}")
+            raise InvalidParam("stop_token_ids", f"stop_token_ids must be in [0, {vocab}); got {bad}")
         for name in ("logprobs", "prompt_logprobs"):
             if (getattr(params, name) or 0) > vocab:
                 raise InvalidParam(name, f"{name} is {getattr(params, name)}; the vocabulary has {vocab} tokens")
@@ -187,9 +192,9 @@ class EngineCore:
 
     @staticmethod
     def _check_resume(resume: list[int], max_tokens: int, vocab: int) -> None:
-        bad = [t for t in resume if not isinstance(t, int) or not 0 <= t < vocab]
+        bad = _outside_vocab(resume, vocab)
         if bad:
-            raise InvalidParam("resume_token_ids", f"resumed token ids must be in [0, {vocab}); got {bad[:5]}")
+            raise InvalidParam("resume_token_ids", f"resumed token ids must be in [0, {vocab}); got {bad}")
         if len(resume) >= max_tokens:
             raise InvalidParam("resume_token_ids", f"{len(resume)} tokens resumed leave nothing to generate "
                                                    f"within max_tokens ({max_tokens})")
