@@ -17,6 +17,7 @@ import torch
 from engine.attention import make_attention_backend
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
+from engine.kernels import prefill_attention
 from engine.kv_cache.block_hash import namespace_digest
 from engine.kv_cache.block_pool import BlockPool
 from engine.kv_cache.kv_cache import KVCache, activation_headroom, gpu_kv_budget, num_blocks_for
@@ -101,7 +102,8 @@ class EngineCore:
         model_cfg = config.model
         device = resolve_device(config.device)
         ops = select_ops(device)
-        backend = make_attention_backend(config.attention_backend, device, model_cfg.dtype, ops.kernels)
+        prefill = prefill_attention.for_model(model_cfg.arch, model_cfg.dtype, device) if ops.kernels else None
+        backend = make_attention_backend(config.attention_backend, device, model_cfg.dtype, ops.kernels, prefill)
         self.model = load_model(model_cfg, backend, ops, device)  # first: on a GPU, the KV cache takes what is left
         num_blocks = num_blocks_for(model_cfg.arch, config.cache, model_cfg.dtype,
                                     (lambda: self._gpu_kv_budget(device)) if device.type == "cuda" else None)

@@ -7,6 +7,9 @@ from dataclasses import dataclass
 import torch
 
 TIE_MARGIN = 1e-3  # float32 logits closer than this may legitimately round either way
+# the same rule for bfloat16 runs (8-bit mantissas): torch's own SDPA path diverges from itself
+# between two chunkings of a prompt at top-2 gaps of 0.009-0.014 (SmolLM2, measured)
+BF16_TIE_MARGIN = 0.05
 
 
 @torch.inference_mode()
@@ -50,11 +53,12 @@ def assert_token_equal(ours: list[int], ref: list[int], ref_logits: list[torch.T
     assert len(ours) == len(ref), f"{label}: {len(ours)} tokens vs reference {len(ref)}"
 
 
-def assert_same_as_engine_reference(ours: list[int], reference, stats: EqualityStats, label=""):
+def assert_same_as_engine_reference(ours: list[int], reference, stats: EqualityStats, label="",
+                                    margin: float = TIE_MARGIN):
     """The token-equality rule against another engine run (a CompletionOutput generated
     greedily with ``logprobs>=2``): its two best logprobs give the reference's top-2 logit
     gap at each position (log_softmax preserves differences)."""
-    _compare_with_gaps(ours, list(reference.token_ids), _reference_gaps(reference), stats, label)
+    _compare_with_gaps(ours, list(reference.token_ids), _reference_gaps(reference), stats, label, margin)
 
 
 def assert_same_tokens_as_text(ours: list[str], reference, stats: EqualityStats, label=""):
@@ -71,11 +75,12 @@ def _reference_gaps(reference) -> list[float]:
     return gaps
 
 
-def _compare_with_gaps(ours: list, theirs: list, gaps: list[float], stats: EqualityStats, label: str) -> None:
+def _compare_with_gaps(ours: list, theirs: list, gaps: list[float], stats: EqualityStats, label: str,
+                      margin: float = TIE_MARGIN) -> None:
     stats.compared += 1
     for position, (mine, ref) in enumerate(zip(ours, theirs)):
         if mine != ref:
-            assert gaps[position] < TIE_MARGIN, (
+            assert gaps[position] < margin, (
                 f"{label}: diverged at position {position} (ours {mine!r}, reference {ref!r}); "
                 f"reference top-2 gap {gaps[position]:.2e} is not a near-tie"
             )

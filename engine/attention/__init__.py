@@ -9,9 +9,11 @@ from engine.attention.backend import AttentionBackend
 BACKENDS = ("auto", "torch", "triton")
 
 
-def make_attention_backend(name: str, device: torch.device | str, dtype: torch.dtype, native=None) -> AttentionBackend:
+def make_attention_backend(name: str, device: torch.device | str, dtype: torch.dtype, native=None,
+                           prefill=None) -> AttentionBackend:
     """``auto``: Triton on CUDA, torch elsewhere. ``triton`` where Triton cannot run (no
-    package, no GPU and not interpreting) raises TritonUnavailable: never a quiet fallback."""
+    package, no GPU and not interpreting) raises TritonUnavailable: never a quiet fallback.
+    ``native`` and ``prefill``: the CPU kernel modules the torch backend may use (or None)."""
     device = torch.device(device)
     if name not in BACKENDS:
         raise ValueError(f"unknown attention backend {name!r} (choose from {', '.join(BACKENDS)})")
@@ -33,4 +35,4 @@ def make_attention_backend(name: str, device: torch.device | str, dtype: torch.d
         raise ValueError(f"the torch attention backend runs on the CPU; on {device} use triton (or auto)")
     from engine.attention.torch_backend import TorchAttentionBackend
 
-    return TorchAttentionBackend(dtype, native)
+    return TorchAttentionBackend(dtype, native, prefill)

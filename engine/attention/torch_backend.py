@@ -13,12 +13,15 @@ from engine.kv_cache.kv_cache import slot_indices
 
 @dataclass(frozen=True, slots=True)
 class PrefillSeq:
-    """One prefill chunk: its queries attend to context slots [0, seq_len)."""
+    """One prefill chunk: its queries attend to context positions [0, seq_len). The native
+    kernel reads them through ``block_table``; SDPA through ``context_slots`` and the mask."""
 
     query_start: int  # first flat token index of the chunk
     query_len: int
-    context_slots: torch.Tensor  # [seq_len] int64 cache slots of positions 0 .. seq_len-1
-    causal_mask: torch.Tensor | None  # [query_len, seq_len] bool (True = attend); None if no prefix
+    seq_len: int  # context length after this chunk (its own tokens included)
+    block_table: torch.Tensor  # [ceil(seq_len / block_size)] int64 block ids
+    context_slots: torch.Tensor | None  # [seq_len] int64 cache slots of positions 0 .. seq_len-1; None: native
+    causal_mask: torch.Tensor | None  # [query_len, seq_len] bool (True = attend); None if no prefix or native
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,16 +38,19 @@ class TorchAttentionMetadata:
 class TorchAttentionBackend(AttentionBackend):
     """Attention on the CPU. ``dtype``: the model's, for masks built once per step.
     ``native``: the cpu_ops module (engine/kernels), or None for torch ops only.
+    ``prefill``: the prefill_attention module (bfloat16, AVX-512 BF16 CPUs), or None.
 
     Decodes: with ``native``, one call reads each sequence's K/V through its block table
     (only positions before its end). Without it, each sequence's blocks are gathered whole
     (one index_select per layer), the slots past its end zeroed and masked, and one batched
-    SDPA call does the rest. Prefill chunks: the context gathered slot by slot, then SDPA
-    with a causal (offset) mask."""
+    SDPA call does the rest. Prefill chunks: with ``prefill``, one call per chunk reads its
+    context through the block table; without it, the context is gathered slot by slot, then
+    SDPA with a causal (offset) mask."""
 
-    def __init__(self, dtype: torch.dtype = torch.float32, native=None) -> None:
+    def __init__(self, dtype: torch.dtype = torch.float32, native=None, prefill=None) -> None:
         self.dtype = dtype
         self.native = native
+        self.prefill = prefill if dtype == torch.bfloat16 else None
 
     def build_metadata(self, layout: BatchLayout) -> TorchAttentionMetadata:
         bs = layout.block_size
@@ -62,14 +68,15 @@ class TorchAttentionBackend(AttentionBackend):
         start = n_dec
         for i in range(n_dec, len(layout.query_lens)):
             q_len, seq_len = layout.query_lens[i], layout.seq_lens[i]
-            mask = None
-            if seq_len != q_len:
-                # query j sits at absolute position seq_len - q_len + j, sees keys <= it
-                q_pos = torch.arange(seq_len - q_len, seq_len).unsqueeze(1)
-                mask = torch.arange(seq_len).unsqueeze(0) <= q_pos
-            prefills.append(
-                PrefillSeq(start, q_len, slot_indices(layout.block_tables[i], 0, seq_len, bs), mask)
-            )
+            table = torch.tensor(layout.block_tables[i][: -(-seq_len // bs)], dtype=torch.int64)
+            slots, mask = None, None
+            if self.prefill is None:
+                slots = slot_indices(layout.block_tables[i], 0, seq_len, bs)
+                if seq_len != q_len:
+                    # query j sits at absolute position seq_len - q_len + j, sees keys <= it
+                    q_pos = torch.arange(seq_len - q_len, seq_len).unsqueeze(1)
+                    mask = torch.arange(seq_len).unsqueeze(0) <= q_pos
+            prefills.append(PrefillSeq(start, q_len, seq_len, table, slots, mask))
             start += q_len
         return TorchAttentionMetadata(
             slot_mapping=layout.slot_mapping,
@@ -95,7 +102,11 @@ class TorchAttentionBackend(AttentionBackend):
             out[: metadata.num_decodes] = self._decode(query[: metadata.num_decodes], kv_cache, metadata)
         for seq in metadata.prefills:
             rows = slice(seq.query_start, seq.query_start + seq.query_len)
-            out[rows] = self._prefill(query[rows], flat, seq)
+            if seq.context_slots is None:
+                out[rows] = self.prefill.paged_prefill_attention(query[rows], kv_cache, seq.block_table, seq.seq_len,
+                                                                 head_dim**-0.5)
+            else:
+                out[rows] = self._prefill(query[rows], flat, seq)
         return out
 
     @staticmethod

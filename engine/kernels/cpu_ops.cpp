@@ -17,6 +17,8 @@
 #include <immintrin.h>
 #endif
 
+#include "vec_math.h"
+
 namespace {
 
 #define DISPATCH(TYPE, NAME, ...) \
@@ -70,11 +72,6 @@ inline float exp_nonpositive(float x) {
   return p * std::bit_cast<float>(bits);
 }
 
-// Rows as vectors of 16 floats (GCC vector extensions: one AVX-512 register, or two AVX2 ones),
-// for the fixed-size decode attention and the elementwise ops.
-typedef float vec16 __attribute__((vector_size(64)));
-typedef float vec8 __attribute__((vector_size(32)));
-typedef float vec4 __attribute__((vector_size(16)));
 
 inline vec16 load16(const float* p) {
   vec16 v;
@@ -89,25 +86,6 @@ inline float sum16(vec16 v) {
   return (b[0] + b[2]) + (b[1] + b[3]);
 }
 
-// exp_nonpositive on 16 lanes at once (the same polynomial and steps): t <= 0, so floor(t) is
-// the truncation less one where they differ.
-inline vec16 exp16_nonpositive(vec16 x) {
-  typedef int32_t i32x16 __attribute__((vector_size(64)));
-  const vec16 t = (x < -87.f ? -87.f : x) * 1.4426950408889634f;
-  const i32x16 truncated = __builtin_convertvector(t, i32x16);
-  const i32x16 whole = truncated + (__builtin_convertvector(truncated, vec16) > t);  // a true lane is -1
-  const vec16 f = t - __builtin_convertvector(whole, vec16);
-  vec16 p = f * 2.168343198718503e-4f + 1.2437946861609817e-3f;
-  p = p * f + 9.679985232651234e-3f;
-  p = p * f + 5.548214912414551e-2f;
-  p = p * f + 2.4023030698299408e-1f;
-  p = p * f + 6.931468844413757e-1f;
-  p = p * f + 1.f;
-  const i32x16 bits = (whole + 127) << 23;
-  vec16 scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return p * scale;
-}
 
 // Stores n float32 values as T, rounded to nearest even as static_cast<T> rounds; for
 // bfloat16 written on integers (c10's rounding: NaN becomes 0x7FC0) so that it vectorises.
