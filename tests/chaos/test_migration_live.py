@@ -109,10 +109,19 @@ def assert_equal_under_the_rule(ours: Answer, reference: Answer, stats: Equality
     assert ours.usage["completion_tokens"] == reference.usage["completion_tokens"] == MAX_TOKENS * len(ours.choices)
 
 
-def kill_decode_worker(server) -> str:
+def decode_worker_killer(server):
+    """A function that SIGKILLs the decode worker and returns its address. The process is
+    looked up now, not at the kill: the lookup (the router's /metrics, then every process's
+    sockets) can take longer than the last tokens of a request on a fast CPU, and a kill
+    that lands after the answer migrates nothing."""
     [address] = worker_addresses(server, "decode")
-    worker_process(server, address).send_signal(signal.SIGKILL)
-    return address
+    process = worker_process(server, address)
+
+    def kill() -> str:
+        process.send_signal(signal.SIGKILL)
+        return address
+
+    return kill
 
 
 CASES = {
@@ -131,6 +140,7 @@ def test_a_decode_worker_killed_mid_stream_loses_no_request(server, case, stream
     took = time.monotonic() - started
     draw = random.Random(f"{case}-{stream}")
     migrated_before = counter(server, "tandem:routing_decisions_total", 'decision="migrate"')
+    kill_decode_worker = decode_worker_killer(server)
     killed: list[str] = []
 
     if stream:
@@ -138,11 +148,11 @@ def test_a_decode_worker_killed_mid_stream_loses_no_request(server, case, stream
 
         def on_token(count: int) -> None:
             if count >= cut_at and not killed:
-                killed.append(kill_decode_worker(server))
+                killed.append(kill_decode_worker())
 
         ours = ask(server, body, on_token)
     else:  # the client sees no token before the end: kill somewhere in the middle of the run
-        timer = threading.Timer(took * draw.uniform(0.45, 0.7), lambda: killed.append(kill_decode_worker(server)))
+        timer = threading.Timer(took * draw.uniform(0.45, 0.7), lambda: killed.append(kill_decode_worker()))
         timer.start()
         ours = ask(server, body)
         timer.join()
