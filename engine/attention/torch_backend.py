@@ -19,7 +19,7 @@ class PrefillSeq:
     query_start: int  # first flat token index of the chunk
     query_len: int
     seq_len: int  # context length after this chunk (its own tokens included)
-    block_table: torch.Tensor  # [ceil(seq_len / block_size)] int64 block ids
+    block_table: torch.Tensor | None  # [ceil(seq_len / block_size)] int64 block ids; None: SDPA
     context_slots: torch.Tensor | None  # [seq_len] int64 cache slots of positions 0 .. seq_len-1; None: native
     causal_mask: torch.Tensor | None  # [query_len, seq_len] bool (True = attend); None if no prefix or native
 
@@ -50,7 +50,7 @@ class TorchAttentionBackend(AttentionBackend):
     def __init__(self, dtype: torch.dtype = torch.float32, native=None, prefill=None) -> None:
         self.dtype = dtype
         self.native = native
-        self.prefill = prefill if dtype == torch.bfloat16 else None
+        self.prefill = prefill  # engine/kernels/prefill_attention.for_model chose it for this dtype
 
     def build_metadata(self, layout: BatchLayout) -> TorchAttentionMetadata:
         bs = layout.block_size
@@ -68,9 +68,10 @@ class TorchAttentionBackend(AttentionBackend):
         start = n_dec
         for i in range(n_dec, len(layout.query_lens)):
             q_len, seq_len = layout.query_lens[i], layout.seq_lens[i]
-            table = torch.tensor(layout.block_tables[i][: -(-seq_len // bs)], dtype=torch.int64)
-            slots, mask = None, None
-            if self.prefill is None:
+            table, slots, mask = None, None, None
+            if self.prefill is not None:
+                table = torch.tensor(layout.block_tables[i][: -(-seq_len // bs)], dtype=torch.int64)
+            else:
                 slots = slot_indices(layout.block_tables[i], 0, seq_len, bs)
                 if seq_len != q_len:
                     # query j sits at absolute position seq_len - q_len + j, sees keys <= it
