@@ -11,6 +11,8 @@ from pathlib import Path
 
 import torch
 
+from engine.request_queue import SchedulingPolicy
+
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -144,8 +146,13 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 8192  # tokens in one forward pass: the hard cap on a prefill chunk
     # a step that decodes and prefills stays under this (engine/step_budget.py); None: the cap only
     max_step_ms: float | None = None
+    # fcfs: arrival order, the newest running request yields blocks; priority: by (priority,
+    # arrival), the lowest class yields (engine/request_queue.py); vLLM's --scheduling-policy
+    policy: SchedulingPolicy = SchedulingPolicy.FCFS
 
     def __post_init__(self) -> None:
+        if not isinstance(self.policy, SchedulingPolicy):
+            object.__setattr__(self, "policy", SchedulingPolicy(self.policy))
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
         if self.max_step_ms is not None and not self.max_step_ms > 0:

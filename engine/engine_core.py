@@ -30,6 +30,7 @@ from engine.outputs import FinishReason, Logprob, PositionLogprobs
 from engine.platform import resolve_device
 from engine.remote_kv import KVExport, KVExporter, KVFailurePolicy, KVImporter, PrefillTiming
 from engine.request import ErrorScope, Request, RequestStatus, RequestTimes
+from engine.request_queue import SchedulingPolicy
 from engine.sampling_params import InvalidParam, SamplingParams
 from engine.scheduler import Scheduler, TokenUpdate
 from engine.scheduler_types import SampledToken, TokenLogprobs
@@ -155,7 +156,7 @@ class EngineCore:
     # -- requests ----------------------------------------------------------------------------
     def make_request(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, cache_salt: str | None = None,
-        resume_token_ids: Sequence[int] = (),
+        resume_token_ids: Sequence[int] = (), priority: int = 0,
     ) -> Request:
         """Validate and build a Request (nothing is allocated). ``resume_token_ids``: a
         migrated sequence's tokens already generated elsewhere (and sent to the client); they
@@ -184,7 +185,11 @@ class EngineCore:
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         eos = () if params.ignore_eos else self.info.eos_token_ids
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
-        request = Request(request_id, list(prompt_token_ids), params, seed, eos, max_tokens, cache_salt=cache_salt)
+        if priority != 0 and self.config.scheduler.policy is not SchedulingPolicy.PRIORITY:
+            raise InvalidParam("priority", f"priority {priority} needs the priority scheduling policy "
+                                           "(--scheduling-policy priority); under fcfs every request has priority 0")
+        request = Request(request_id, list(prompt_token_ids), params, seed, eos, max_tokens, cache_salt=cache_salt,
+                          priority=priority)
         if resume_token_ids:
             if params.prompt_logprobs is not None:
                 raise InvalidParam("prompt_logprobs", "a resumed sequence's prompt logprobs were sent before")

@@ -64,6 +64,7 @@ class AddRequest:
     kv_export: KVExport | None = None  # prefill role: where its prompt's KV goes, layer by layer
     remote_kv: RemoteKV | None = None  # decode role: its KV comes from a prefill worker
     resume_token_ids: tuple[int, ...] = ()  # a migrated sequence's tokens already sent (engine_core.make_request)
+    priority: int = 0  # the priority policy runs lower values first (engine/request_queue.py)
 
 
 @dataclass(frozen=True)
@@ -152,7 +153,7 @@ class EngineLoop:
     def _add(self, add: AddRequest) -> Added:  # engine thread
         core = self.core
         request = core.make_request(add.request_id, add.prompt_token_ids, add.params, add.cache_salt,
-                                    add.resume_token_ids)
+                                    add.resume_token_ids, add.priority)
         if add.arrival_time is not None:
             request.arrival_time = add.arrival_time
         kv_from_pos = None

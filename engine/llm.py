@@ -22,6 +22,7 @@ from engine.model_info import ModelInfo, load_model_info
 from engine.models.registry import DEFAULT_MODEL
 from engine.outputs import RequestOutput
 from engine.platform import auto_dtype, resolve_device
+from engine.request_queue import SchedulingPolicy
 from engine.sampling_params import SamplingParams
 
 Prompt = str | list[int] | dict
@@ -39,8 +40,9 @@ class LLM:
     for steps that decode and prefill: the prompt chunk is sized from the measured prefill rate so
     that running streams are not stalled; None: the token cap only), ``enable_prefix_caching``,
     ``num_threads`` (torch threads), ``seed``, ``chat_template`` (Jinja source override).
-    A prompt dict may carry ``cache_salt``: requests only share prefix-cache blocks with
-    requests of the same salt.
+    ``scheduling_policy``: "fcfs" (arrival order) or "priority" (``generate``'s ``priority``,
+    lower first; engine/request_queue.py). A prompt dict may carry ``cache_salt``: requests
+    only share prefix-cache blocks with requests of the same salt.
     """
 
     def __init__(
@@ -55,6 +57,7 @@ class LLM:
         max_num_seqs: int = 64,
         max_num_batched_tokens: int = 8192,
         max_step_ms: float | None = None,
+        scheduling_policy: str = "fcfs",
         enable_prefix_caching: bool = True,
         num_threads: int | None = None,
         seed: int = 0,
@@ -69,7 +72,7 @@ class LLM:
             num_kv_blocks=num_kv_blocks, kv_cache_memory_bytes=kv_cache_memory_bytes,
             gpu_memory_utilization=gpu_memory_utilization, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, max_step_ms=max_step_ms,
-            enable_prefix_caching=enable_prefix_caching, num_threads=num_threads, seed=seed,
+            scheduling_policy=scheduling_policy, enable_prefix_caching=enable_prefix_caching, num_threads=num_threads, seed=seed,
             chat_template=chat_template, served_model_name=served_model_name,
             attention_backend=attention_backend, device=device,
         )
@@ -100,8 +103,10 @@ class LLM:
         raise TypeError(f"a prompt is a string, a list of token ids, or a dict; got {type(prompt).__name__}")
 
     # -- generation --------------------------------------------------------------------------
-    def generate(self, prompts: Prompt | Sequence[Prompt], sampling_params: ParamsArg = None) -> list[RequestOutput]:
-        """Generate for every prompt in one continuously batched run; outputs in input order."""
+    def generate(self, prompts: Prompt | Sequence[Prompt], sampling_params: ParamsArg = None,
+                 priority: Sequence[int] | None = None) -> list[RequestOutput]:
+        """Generate for every prompt in one continuously batched run; outputs in input order.
+        ``priority``: one per prompt, as vLLM's (only under the priority scheduling policy)."""
         if isinstance(prompts, (str, dict)) or (
             isinstance(prompts, (list, tuple)) and prompts and all(isinstance(t, int) for t in prompts)
         ):
@@ -115,14 +120,18 @@ class LLM:
             params_list = list(sampling_params)
             if len(params_list) != len(prompts):
                 raise ValueError(f"got {len(prompts)} prompts but {len(params_list)} sampling params")
+        priorities = [0] * len(prompts) if priority is None else list(priority)
+        if len(priorities) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(priorities)} priorities")
         encoded = [self._to_tokens(p) for p in prompts]
         salts = [p.get("cache_salt") if isinstance(p, dict) else None for p in prompts]
         # validate every request before queueing any, so bad input leaves nothing behind
-        for index, ((_, token_ids), params) in enumerate(zip(encoded, params_list)):
-            self.engine_core.make_request(f"validate-{index}", token_ids, params)
+        for index, ((_, token_ids), params, rank) in enumerate(zip(encoded, params_list, priorities)):
+            self.engine_core.make_request(f"validate-{index}", token_ids, params, priority=rank)
         request_ids = [f"gen-{next(self._ids)}" for _ in prompts]
-        for request_id, (text, token_ids), params, salt in zip(request_ids, encoded, params_list, salts):
-            self.engine.add_request(request_id, text, token_ids, params, cache_salt=salt)
+        for request_id, (text, token_ids), params, salt, rank in zip(request_ids, encoded, params_list, salts,
+                                                                     priorities):
+            self.engine.add_request(request_id, text, token_ids, params, cache_salt=salt, priority=rank)
         return self._run(request_ids)
 
     def chat(
@@ -182,6 +191,7 @@ workers build their engine from that with ``build_core()``, not through ``LLM``.
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 8192
     max_step_ms: float | None = None  # --max-step-ms
+    scheduling_policy: str = "fcfs"  # --scheduling-policy: fcfs | priority
     enable_prefix_caching: bool = True
     num_threads: int | None = None  # --worker-threads: each worker pins its own
     seed: int = 0
@@ -216,7 +226,8 @@ workers build their engine from that with ``build_core()``, not through ``LLM``.
             model=model_config,
             cache=CacheConfig(self.block_size, self.num_kv_blocks, self.kv_cache_memory_bytes,
                               self.enable_prefix_caching, self.gpu_memory_utilization),
-            scheduler=SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, self.max_step_ms),
+            scheduler=SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, self.max_step_ms,
+                                      SchedulingPolicy(self.scheduling_policy)),
             num_threads=self.num_threads,
             seed=self.seed,
             attention_backend=self.attention_backend,

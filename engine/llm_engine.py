@@ -28,6 +28,7 @@ class LLMEngine:
         prompt_token_ids: list[int],
         params: SamplingParams,
         cache_salt: str | None = None,
+        priority: int = 0,
     ) -> None:
         """Validate all n sequences first (raises ValueError, allocates nothing), then queue."""
         if request_id in self._parents:
@@ -38,7 +39,8 @@ class LLMEngine:
             child_params = params
             if params.n > 1 and params.seed is not None:
                 child_params = params.with_overrides(seed=params.seed + index)
-            children.append(self.core.make_request(child_id, prompt_token_ids, child_params, cache_salt))
+            children.append(self.core.make_request(child_id, prompt_token_ids, child_params, cache_salt,
+                                                     priority=priority))
         with_logprobs = params.logprobs is not None
         output = RequestOutput(
             request_id=request_id,

@@ -95,6 +95,7 @@ class Request:
     prompt_logprobs: list[PositionLogprobs | None] = field(default_factory=list)
     num_preemptions: int = 0
     cache_salt: str | None = None  # isolates this request's prefix-cache blocks (tenant key)
+    priority: int = 0  # the priority scheduling policy runs lower values first (vLLM's convention)
     kv_export_from: int | None = None  # prefill role: export KV of positions from here on
     kv_recomputed: bool = False  # decode role: its remote KV failed, the prompt is computed here
     block_hashes: list[bytes] = field(default_factory=list)  # prefix digests of full blocks

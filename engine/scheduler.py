@@ -5,18 +5,23 @@ tokens it still lacks KV for (one for a decode, a chunk of the prompt for a pref
 per-step token budget, then admits waiting requests while blocks, sequence slots and budget
 allow. When a running request cannot get a block, the newest running request is preempted
 (its blocks freed, its tokens to be recomputed later), which keeps older requests moving.
+
+Under the ``priority`` policy (engine/request_queue.py) every "oldest" above reads "highest
+class, then oldest": the waiting queue, the order in which prompt chunks share the step, and
+the victim of a preemption (the lowest class, then the newest). A waiting request of a higher
+class than some running one may also preempt it for a sequence slot or blocks; a request
+never preempts one of its own class or a higher one.
 """
 
 from __future__ import annotations
 
 import time
-from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from engine.config import SchedulerConfig
 from engine.kv_cache.manager import KVCacheManager
 from engine.request import Request, RequestStatus
-from engine.step_budget import StepBudget, StepBudgetConfig
+from engine.request_queue import SchedulingPolicy, make_queue, priority_key
 from engine.scheduler_types import (
     PromptLogprobsInput,
     RunnerOutput,
@@ -25,6 +30,7 @@ from engine.scheduler_types import (
     ScheduledSeq,
     SchedulerOutput,
 )
+from engine.step_budget import StepBudget, StepBudgetConfig
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,12 +44,25 @@ class TokenUpdate:
     finished: bool  # a token-level stop (EOS, stop id, length) fired
 
 
+@dataclass(slots=True)
+class _Step:
+    """What one ``schedule`` call has handed out so far."""
+
+    budget: int  # tokens of the step still free (max_num_batched_tokens)
+    prompt_room: int  # prompt tokens still free (the step's time target beside its decodes)
+    decoding_ids: set[str]  # running requests that decode this step
+    scheduled: dict[str, ScheduledSeq] = field(default_factory=dict)  # request id -> its tokens this step
+    preempted: list[str] = field(default_factory=list)  # for a running request's blocks: admit nothing more
+    made_room: list[str] = field(default_factory=list)  # priority policy: lower classes that yielded to waiting ones
+
+
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int) -> None:
         self.config = config
         self.kv = kv
         self.max_model_len = max_model_len
-        self.waiting: deque[Request] = deque()  # WAITING and PREEMPTED, oldest first
+        self.by_priority = config.policy is SchedulingPolicy.PRIORITY
+        self.waiting = make_queue(config.policy)  # WAITING and PREEMPTED, next to admit first
         self.running: list[Request] = []  # RUNNING, admission order
         self.waiting_for_remote_kv: dict[str, Request] = {}  # WAITING_FOR_REMOTE_KV
         self.requests: dict[str, Request] = {}  # every unfinished request
@@ -57,7 +76,7 @@ class Scheduler:
             raise ValueError(f"request id '{request.request_id}' is already in use")
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        self.waiting.add(request)
 
     def add_remote_kv_request(self, request: Request, deadline_s: float) -> int | None:
         """Reserve blocks for the whole prompt, reusing this engine's own cached prefix, and
@@ -68,8 +87,12 @@ class Scheduler:
             raise ValueError(f"request id '{request.request_id}' is already in use")
         cached = self.kv.find_cached_prefix(request)
         num_cached = len(cached) * self.kv.block_size
-        if not self.kv.allocate_slots(request.request_id, request.num_prompt_tokens, cached):
-            return None
+        while not self.kv.allocate_slots(request.request_id, request.num_prompt_tokens, cached):
+            victim = self._lower_than(request)  # priority policy: a lower class yields its blocks
+            if victim is None:
+                return None
+            self.running.remove(victim)
+            self._preempt(victim)
         self.kv.record_lookup(request.num_prompt_tokens, num_cached)
         request.num_cached_tokens = num_cached
         request.status = RequestStatus.WAITING_FOR_REMOTE_KV
@@ -106,53 +129,73 @@ class Scheduler:
         self.kv.free(request_id)
         request.status = RequestStatus.WAITING
         request.num_cached_tokens = 0
-        self.waiting.appendleft(request)
+        self.waiting.add_back(request)
         return True
 
     # -- one step ---------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        budget = self.config.max_num_batched_tokens  # every token of the step
-        scheduled: dict[str, ScheduledSeq] = {}
-        preempted: list[str] = []
         # Decodes first, then prompt chunks: a long prompt read in chunks never stalls the
-        # running streams. Within each group, admission order. Prompt chunks share what the
-        # step's time target leaves beside the decodes (engine/step_budget.py).
-        decoding = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
-        prefilling = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
-        decoding_ids = {r.request_id for r in decoding}
-        prompt_room = self.step_budget.prompt_tokens(len(decoding))  # prompt tokens this step
-        for request in decoding + prefilling:
-            if budget <= 0:
-                break
-            if request.status is not RequestStatus.RUNNING:
-                continue  # preempted earlier in this loop
-            num_left = request.num_tokens - request.num_computed_tokens
-            num_new = 1 if num_left == 1 else min(num_left, budget, prompt_room)
-            if num_new <= 0:
-                continue  # a prompt chunk with no room left this step
-            while not self.kv.allocate_slots(request.request_id, request.num_computed_tokens + num_new):
-                victim = self.running.pop()  # the newest yields
-                self._preempt(victim)
-                preempted.append(victim.request_id)
-                undone = scheduled.pop(victim.request_id, None)
-                if undone is not None:
-                    budget += len(undone.token_ids)
-                    prompt_room += 0 if victim.request_id in decoding_ids else len(undone.token_ids)
-                if victim is request:
-                    break
-            if request.status is RequestStatus.RUNNING:
-                scheduled[request.request_id] = self._scheduled(request, num_new)
-                budget -= num_new
-                prompt_room -= num_new if num_left > 1 else 0
-        while (self.waiting and not preempted and min(budget, prompt_room) > 0
-               and len(self.running) < self.config.max_num_seqs):
-            request = self.waiting[0]
+        # running streams. Within each group, admission order (priority policy: class, then
+        # arrival, and a waiting request of a higher class is admitted before a running
+        # prompt's next chunk). Prompt chunks share what the step's time target leaves beside
+        # the decodes (engine/step_budget.py).
+        running = sorted(self.running, key=priority_key) if self.by_priority else self.running
+        decoding = [r for r in running if r.num_tokens - r.num_computed_tokens == 1]
+        prefilling = [r for r in running if r.num_tokens - r.num_computed_tokens > 1]
+        step = _Step(self.config.max_num_batched_tokens, self.step_budget.prompt_tokens(len(decoding)),
+                     {r.request_id for r in decoding})
+        for request in decoding:
+            self._schedule_running(request, step)
+        for request in prefilling:
+            if self.by_priority:
+                self._admit_waiting(step, before=request)
+            self._schedule_running(request, step)
+        self._admit_waiting(step)
+        seqs = list(step.scheduled.values())
+        total = sum(len(seq.token_ids) for seq in seqs)
+        num_decodes = sum(1 for seq in seqs if seq.request_id in step.decoding_ids)
+        return SchedulerOutput(seqs=seqs, num_batched_tokens=total, preempted_ids=step.preempted + step.made_room,
+                               num_decodes=num_decodes)
+
+    def _schedule_running(self, request: Request, step: _Step) -> None:
+        """A running request's next tokens (one to decode, or a prompt chunk), preempting the
+        victim (``_victim``) while its blocks do not fit."""
+        if step.budget <= 0 or request.status is not RequestStatus.RUNNING:
+            return  # the step is full, or it was preempted earlier in this step
+        num_left = request.num_tokens - request.num_computed_tokens
+        num_new = 1 if num_left == 1 else min(num_left, step.budget, step.prompt_room)
+        if num_new <= 0:
+            return  # a prompt chunk with no room left this step
+        while not self.kv.allocate_slots(request.request_id, request.num_computed_tokens + num_new):
+            victim = self._victim()
+            self._preempt_in_step(victim, step)
+            step.preempted.append(victim.request_id)
+            if victim is request:
+                return
+        step.scheduled[request.request_id] = self._scheduled(request, num_new)
+        step.budget -= num_new
+        step.prompt_room -= num_new if num_left > 1 else 0
+
+    def _admit_waiting(self, step: _Step, before: Request | None = None) -> None:
+        """Admit waiting requests while a slot, blocks and room allow (none in a step that
+        preempted for blocks). ``before``: only those that go before it by priority. Under the
+        priority policy a waiting request may take a lower class's slot and blocks."""
+        while self.waiting and not step.preempted and min(step.budget, step.prompt_room) > 0:
+            request = self.waiting.peek()
+            if before is not None and priority_key(request) >= priority_key(before):
+                return
             cached = self.kv.find_cached_prefix(request) if request.num_computed_tokens == 0 else []
             num_cached = len(cached) * self.kv.block_size
-            num_new = min(request.num_tokens - num_cached, budget, prompt_room)
-            if not self.kv.allocate_slots(request.request_id, num_cached + num_new, cached):
-                break
-            self.waiting.popleft()
+            num_new = min(request.num_tokens - num_cached, step.budget, step.prompt_room)
+            if (len(self.running) >= self.config.max_num_seqs
+                    or not self.kv.allocate_slots(request.request_id, num_cached + num_new, cached)):
+                victim = self._lower_than(request)
+                if victim is None:
+                    return
+                self._preempt_in_step(victim, step)
+                step.made_room.append(victim.request_id)
+                continue  # look again: the slot, the blocks (and what was cached) may have changed
+            self.waiting.pop()
             if request.status is RequestStatus.WAITING and request.num_preemptions == 0:
                 # (a resumed sequence's hit may reach into its output: the prompt's share is counted)
                 request.num_cached_tokens = min(num_cached, request.num_prompt_tokens)
@@ -160,13 +203,34 @@ class Scheduler:
             request.num_computed_tokens = num_cached
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            scheduled[request.request_id] = self._scheduled(request, num_new)
-            budget -= num_new
-            prompt_room -= num_new
-        seqs = list(scheduled.values())
-        total = sum(len(seq.token_ids) for seq in seqs)
-        num_decodes = sum(1 for seq in seqs if seq.request_id in decoding_ids)
-        return SchedulerOutput(seqs=seqs, num_batched_tokens=total, preempted_ids=preempted, num_decodes=num_decodes)
+            step.scheduled[request.request_id] = self._scheduled(request, num_new)
+            step.budget -= num_new
+            step.prompt_room -= num_new
+
+    def _preempt_in_step(self, victim: Request, step: _Step) -> None:
+        """Preempt ``victim``, giving back what this step had scheduled for it."""
+        self.running.remove(victim)
+        self._preempt(victim)
+        undone = step.scheduled.pop(victim.request_id, None)
+        if undone is not None:
+            step.budget += len(undone.token_ids)
+            step.prompt_room += 0 if victim.request_id in step.decoding_ids else len(undone.token_ids)
+
+    def _victim(self) -> Request:
+        """The running request that yields its blocks: the newest (fcfs), or the lowest
+        class, then the newest (priority)."""
+        if self.by_priority:
+            return max(self.running, key=priority_key)
+        return self.running[-1]
+
+    def _lower_than(self, request: Request) -> Request | None:
+        """Priority policy: the running request that yields to ``request`` (the lowest class,
+        then the newest), if its class is lower than ``request``'s; never one of an equal or
+        higher class. Always None under fcfs."""
+        if not self.by_priority or not self.running:
+            return None
+        victim = max(self.running, key=priority_key)
+        return victim if victim.priority > request.priority else None
 
     def _preempt(self, request: Request) -> None:
         self.kv.free(request.request_id)  # its full blocks stay cached: resuming may hit them
@@ -174,7 +238,7 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(request)
+        self.waiting.add_back(request)
 
     def _scheduled(self, request: Request, num_new: int) -> ScheduledSeq:
         start = request.num_computed_tokens
