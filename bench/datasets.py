@@ -18,6 +18,7 @@ class BenchRequest:
     prompt: str | list[int]  # text, or token ids (sent as the OpenAI prompt array)
     max_tokens: int  # output length, enforced with ignore_eos where the server supports it
     group: int  # requests of a group share a prefix (shared-prefix); -1 otherwise
+    traffic_class: str | None = None  # --traffic-mix: its class (bench/traffic_mix.py)
 
 
 def _text(rng: random.Random, num_words: int) -> str:

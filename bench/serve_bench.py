@@ -42,6 +42,8 @@ class RequestResult:
     requested_tokens: int = 0  # max_tokens (with ignore_eos, the length it should have)
     finish_reason: str = ""
     usage_reported: bool = False  # False: output_tokens counts streamed text events
+    status: int = 0  # the HTTP status (429: refused by admission, e.g. shed)
+    traffic_class: str | None = None  # --traffic-mix: the request's class
 
     @property
     def tpot_s(self) -> float | None:
@@ -61,6 +63,8 @@ class LoadConfig:
     url: str | None = None  # where requests go; None: base_url + /completions (or /chat/completions)
     chat: bool = False  # /v1/chat/completions (the prompt as one user message) instead of /v1/completions
     sampling: dict[str, float] = field(default_factory=lambda: {"temperature": 0.0})  # body fields
+    # --traffic-mix: class name -> the body fields its requests carry (none given: traffic_class=name)
+    class_fields: dict[str, dict] = field(default_factory=dict)
 
     @property
     def request_url(self) -> str:
@@ -75,17 +79,21 @@ class LoadConfig:
             body["prompt"] = request.prompt
         if self.ignore_eos:
             body["ignore_eos"] = True
+        if request.traffic_class is not None:
+            body.update(self.class_fields.get(request.traffic_class, {"traffic_class": request.traffic_class}))
         return body
 
 
 async def _one(client: httpx.AsyncClient, config: LoadConfig, request: BenchRequest, delay_s: float) -> RequestResult:
     body = config.body(request)
-    result = RequestResult(ok=False, send_delay_s=delay_s, requested_tokens=request.max_tokens)
+    result = RequestResult(ok=False, send_delay_s=delay_s, requested_tokens=request.max_tokens,
+                           traffic_class=request.traffic_class)
     start = time.perf_counter()
     last = None
     text_events = 0
     try:
         async with client.stream("POST", config.request_url, json=body) as response:
+            result.status = response.status_code
             if response.status_code != 200:
                 result.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
                 return result
@@ -136,7 +144,7 @@ def probe_ignore_eos(base_url: str, model: str, api_key: str | None = None) -> b
                        f"{response.text[:200]}")
 
 
-def _schedule(num: int, config: LoadConfig) -> list[float]:
+def schedule(num: int, config: LoadConfig) -> list[float]:
     """Send offsets in seconds (gamma inter-arrivals with mean 1/rate)."""
     if config.request_rate == float("inf"):
         return [0.0] * num
@@ -149,9 +157,10 @@ def _schedule(num: int, config: LoadConfig) -> list[float]:
     return offsets
 
 
-async def run_load(config: LoadConfig, requests: list[BenchRequest],
-                   progress: str | None = None) -> tuple[list[RequestResult], float]:
-    """All requests on their schedule; returns the results (in dataset order) and the duration.
+async def run_load(config: LoadConfig, requests: list[BenchRequest], progress: str | None = None,
+                   offsets: list[float] | None = None) -> tuple[list[RequestResult], float]:
+    """All requests on their schedule (``offsets``, seconds from the start; default: drawn
+    from the config's rate); returns the results (in dataset order) and the duration.
     ``progress``: a label for a progress bar on stderr (None: no bar)."""
     headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
     limit = asyncio.Semaphore(config.max_concurrency or len(requests) or 1)
@@ -169,8 +178,8 @@ async def run_load(config: LoadConfig, requests: list[BenchRequest],
             return result
 
         try:
-            results = await asyncio.gather(*(scheduled(r, o)
-                                             for r, o in zip(requests, _schedule(len(requests), config))))
+            offsets = schedule(len(requests), config) if offsets is None else offsets
+            results = await asyncio.gather(*(scheduled(r, o) for r, o in zip(requests, offsets, strict=True)))
         finally:
             bar.close()
         return list(results), time.perf_counter() - start
@@ -225,10 +234,32 @@ def summarize(results: list[RequestResult], duration_s: float, slo_ttft_ms: floa
         "ignore_eos_honored": not short,
         "num_stopped_short": len(short),
         "usage_reported": all(r.usage_reported for r in done),
+        "refused_429": sum(r.status == 429 for r in results),  # admission refused them (shed, or --max-queue)
         "samples_ms": {"ttft": [r.ttft_s * 1000 for r in done], "itl": [g * 1000 for r in done for g in r.itl_s],
                        "tpot": [r.tpot_s * 1000 for r in done if r.tpot_s is not None],
                        "e2e": [r.e2e_s * 1000 for r in done]},
     }
+
+
+def summarize_classes(results: list[RequestResult], duration_s: float, slo_ttft_ms: float | None = None,
+                      slo_tpot_ms: float | None = None, slo_e2e_ms: float | None = None,
+                      percentiles: list[float] = ()) -> dict[str, dict]:
+    """``summarize`` per traffic class (--traffic-mix), over the whole run's duration."""
+    names = sorted({r.traffic_class for r in results if r.traffic_class is not None})
+    return {name: summarize([r for r in results if r.traffic_class == name], duration_s, slo_ttft_ms, slo_tpot_ms,
+                            slo_e2e_ms, percentiles) for name in names}
+
+
+def render_classes(classes: dict[str, dict]) -> str:
+    lines = []
+    for name, summary in classes.items():
+        ttft, tpot, itl = summary["ttft_ms"], summary["tpot_ms"], summary["itl_ms"]
+        cell = lambda stats, key: "-" if stats[key] is None else f"{stats[key]:.0f}"  # noqa: E731
+        lines.append(f"  class {name}: {summary['completed']}/{summary['num_requests']} ok, "
+                     f"{summary['refused_429']} refused (429), SLOs met by {summary['slo_attainment']:.0%}; "
+                     f"TTFT p50/p90 {cell(ttft, 'p50')}/{cell(ttft, 'p90')} ms, TPOT p90 {cell(tpot, 'p90')} ms, "
+                     f"ITL p99 {cell(itl, 'p99')} ms")
+    return "\n".join(lines)
 
 
 def render(label: str, summary: dict, percentile_metrics: list[str] = ("ttft", "tpot", "itl")) -> str:

@@ -24,6 +24,7 @@ import shlex
 import time
 
 from bench.datasets import DATASETS, RandomSpec, make_dataset
+from bench.traffic_mix import assign, body_fields, keep_only, parse_mix, parse_priorities
 
 _BACKENDS = {"openai": "completions", "vllm": "completions", "openai-chat": "chat"}
 _DEFAULT_ENDPOINTS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
@@ -75,6 +76,16 @@ def add_serve_bench_args(serve: argparse.ArgumentParser, default_model: str) -> 
     for flag in ("--tokenizer", "--tokenizer-mode", "--dataset-path"):
         serve.add_argument(flag, default=None, help="accepted for vLLM's command lines; not needed")
     serve.add_argument("--trust-remote-code", action="store_true", help="accepted for vLLM's command lines")
+    serve.add_argument("--traffic-mix", default=None, metavar="CLASS:SHARE,...",
+                       help="draw each request into a traffic class (e.g. interactive:0.3,batch:0.7) and report "
+                       "every metric per class (bench/traffic_mix.py)")
+    serve.add_argument("--traffic-field", choices=("traffic_class", "priority"), default="traffic_class",
+                       help="what the class travels as: tandem's traffic_class, or vLLM's priority alone")
+    serve.add_argument("--traffic-priorities", default=None, metavar="CLASS:PRIORITY,...",
+                       help="with --traffic-field priority: each class's priority (lower runs first)")
+    serve.add_argument("--traffic-only", default=None, metavar="CLASS,...",
+                       help="with --traffic-mix: send only these classes' requests, at the times the whole mix "
+                       "would send them (a baseline with the same arrivals and none of the other traffic)")
     serve.add_argument("--compare-routing", action="store_true",
                        help="launch tandem serve with --routing-policy prefix, then round-robin; same workload")
     serve.add_argument("--serve-args", default="--mode disagg --prefill-workers 2 --local-prefill-max-tokens 0",
@@ -118,6 +129,9 @@ class _Measure:
         self.percentiles = [float(p) for p in args.metric_percentiles.split(",") if p.strip()]
         self.model = args.served_model_name or args.model
         self.chat = _BACKENDS[args.backend] == "chat"
+        self.mix = parse_mix(args.traffic_mix) if args.traffic_mix else None
+        self.class_fields = body_fields(args.traffic_field, parse_priorities(args.traffic_priorities, self.mix)
+                                        if self.mix and args.traffic_field == "priority" else None)
 
     def __call__(self, base_url: str, label: str, requests: list, prefill_side: bool = False,
                  rate: float | None = None, url: str | None = None) -> dict:
@@ -126,8 +140,11 @@ class _Measure:
             ceiling_hit_rate,
             probe_ignore_eos,
             render,
+            render_classes,
             run_load,
+            schedule,
             summarize,
+            summarize_classes,
             worker_prompt_tokens_computed,
         )
 
@@ -135,9 +152,15 @@ class _Measure:
         ignore_eos = probe_ignore_eos(base_url, model, args.api_key)
         config = LoadConfig(base_url, model, args.request_rate if rate is None else rate, args.burstiness,
                             args.max_concurrency, args.seed, args.api_key, ignore_eos, url=url, chat=self.chat,
-                            sampling=_sampling(args))
+                            sampling=_sampling(args), class_fields=self.class_fields)
+        offsets = None
+        if self.mix:
+            requests = assign(requests, self.mix, args.seed)
+            if args.traffic_only:
+                requests, offsets = keep_only(requests, schedule(len(requests), config), args.traffic_only)
         computed_before = worker_prompt_tokens_computed(base_url, "prefill") if prefill_side else 0.0
-        results, duration = asyncio.run(run_load(config, requests, progress=None if args.disable_tqdm else label))
+        results, duration = asyncio.run(run_load(config, requests, progress=None if args.disable_tqdm else label,
+                                                 offsets=offsets))
         summary = summarize(results, duration, self.slo_ttft_ms, self.slo_tpot_ms, self.slos.get("e2el"),
                             self.percentiles)
         if args.dataset == "shared-prefix":
@@ -147,7 +170,12 @@ class _Measure:
             computed = worker_prompt_tokens_computed(base_url, "prefill") - computed_before
             sent = sum(r.prompt_tokens for r in results if r.ok)
             summary["prefill_hit_rate"] = 1 - computed / sent if sent else 0.0
-        print(render(label, summary, args.percentile_metrics.split(",")), flush=True)
+        text = render(label, summary, args.percentile_metrics.split(","))
+        if self.mix:
+            summary["classes"] = summarize_classes(results, duration, self.slo_ttft_ms, self.slo_tpot_ms,
+                                                   self.slos.get("e2el"), self.percentiles)
+            text += "\n" + render_classes(summary["classes"])
+        print(text, flush=True)
         return summary
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import grpc
 
@@ -19,12 +20,26 @@ KEEPALIVE_OPTIONS = [
 ]
 
 
+@dataclass(frozen=True, slots=True)
+class RequestOptions:
+    """How the server handles one request, apart from its sampling parameters."""
+
+    n: int = 1  # choices
+    request_id: str | None = None  # None: a fresh one (a client retrying sends the same)
+    priority: int | None = None  # lower runs first (server under --scheduling-policy priority); None: the class's
+    traffic_class: str | None = None  # one of the server's --traffic-classes; None: "default"
+    cache_salt: str | None = None  # prefix-cache blocks are shared only between requests of the same salt
+
+
 def generation_request(model: str, prompt: Prompt | None, messages: Messages | None, params: SamplingParams | None,
-                       n: int, request_id: str | None) -> pb.GenerationRequest:
+                       options: RequestOptions) -> pb.GenerationRequest:
     if (prompt is None) == (messages is None):
         raise ValueError("give exactly one of prompt (text or token ids) and messages")
-    request = pb.GenerationRequest(model=model, n=n, request_id=request_id or uuid.uuid4().hex,
-                                   params=(params or SamplingParams()).to_proto())
+    request = pb.GenerationRequest(model=model, n=options.n, request_id=options.request_id or uuid.uuid4().hex,
+                                   params=(params or SamplingParams()).to_proto(),
+                                   traffic_class=options.traffic_class or "", cache_salt=options.cache_salt or "")
+    if options.priority is not None:
+        request.priority = options.priority
     if messages is not None:
         request.chat.messages.extend(pb.ChatMessage(role=m["role"], content=m["content"]) for m in messages)
     elif isinstance(prompt, str):

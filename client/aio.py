@@ -8,8 +8,8 @@ from collections.abc import AsyncIterator
 import grpc
 
 from client._requests import (
-    KEEPALIVE_OPTIONS, Messages, Prompt, backoff_s, credentials, generation_request, metadata, should_retry,
-    tokenize_request,
+    KEEPALIVE_OPTIONS, Messages, Prompt, RequestOptions, backoff_s, credentials, generation_request, metadata,
+    should_retry, tokenize_request,
 )
 from client.params import SamplingParams
 from client.types import Chunk, Completion, CompletionBuilder, ModelCard, TandemError, chunk_from_proto
@@ -62,19 +62,27 @@ class AsyncTandemClient:
 
     async def generate(self, prompt: Prompt | None = None, params: SamplingParams | None = None, *,
                        messages: Messages | None = None, n: int = 1, request_id: str | None = None,
-                       timeout_s: float | None = None) -> AsyncIterator[Chunk]:
-        request = generation_request(self.model, prompt, messages, params, n, request_id)
+                       timeout_s: float | None = None, priority: int | None = None, traffic_class: str | None = None,
+                       cache_salt: str | None = None) -> AsyncIterator[Chunk]:
+        request = generation_request(self.model, prompt, messages, params,
+                                     RequestOptions(n, request_id, priority, traffic_class, cache_salt))
         async for response in self._responses(request, timeout_s):
             if response.WhichOneof("kind") == "chunk":
                 yield chunk_from_proto(response.chunk)
 
     async def complete(self, prompt: Prompt, params: SamplingParams | None = None, *, n: int = 1,
-                       request_id: str | None = None, timeout_s: float | None = None) -> Completion:
-        return await self._collect(generation_request(self.model, prompt, None, params, n, request_id), timeout_s)
+                       request_id: str | None = None, timeout_s: float | None = None,
+                       priority: int | None = None, traffic_class: str | None = None,
+                       cache_salt: str | None = None) -> Completion:
+        return await self._collect(generation_request(self.model, prompt, None, params, RequestOptions(
+            n, request_id, priority, traffic_class, cache_salt)), timeout_s)
 
     async def chat(self, messages: Messages, params: SamplingParams | None = None, *, n: int = 1,
-                   request_id: str | None = None, timeout_s: float | None = None) -> Completion:
-        return await self._collect(generation_request(self.model, None, messages, params, n, request_id), timeout_s)
+                   request_id: str | None = None, timeout_s: float | None = None,
+                   priority: int | None = None, traffic_class: str | None = None,
+                   cache_salt: str | None = None) -> Completion:
+        return await self._collect(generation_request(self.model, None, messages, params, RequestOptions(
+            n, request_id, priority, traffic_class, cache_salt)), timeout_s)
 
     async def _collect(self, request: pb.GenerationRequest, timeout_s: float | None) -> Completion:
         builder = CompletionBuilder()

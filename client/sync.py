@@ -8,8 +8,8 @@ from collections.abc import Iterator
 import grpc
 
 from client._requests import (
-    KEEPALIVE_OPTIONS, Messages, Prompt, backoff_s, credentials, generation_request, metadata, should_retry,
-    tokenize_request,
+    KEEPALIVE_OPTIONS, Messages, Prompt, RequestOptions, backoff_s, credentials, generation_request, metadata,
+    should_retry, tokenize_request,
 )
 from client.params import SamplingParams
 from client.types import Chunk, Completion, CompletionBuilder, ModelCard, TandemError, chunk_from_proto
@@ -65,21 +65,29 @@ class TandemClient:
 
     def generate(self, prompt: Prompt | None = None, params: SamplingParams | None = None, *,
                  messages: Messages | None = None, n: int = 1, request_id: str | None = None,
-                 timeout_s: float | None = None) -> Iterator[Chunk]:
+                 timeout_s: float | None = None, priority: int | None = None, traffic_class: str | None = None,
+                 cache_salt: str | None = None) -> Iterator[Chunk]:
         """Stream chunks as they are generated (text or token ids as ``prompt``, or chat
         ``messages``). Closing the iterator cancels the request on the server."""
-        request = generation_request(self.model, prompt, messages, params, n, request_id)
+        request = generation_request(self.model, prompt, messages, params,
+                                     RequestOptions(n, request_id, priority, traffic_class, cache_salt))
         for response in self._responses(request, timeout_s):
             if response.WhichOneof("kind") == "chunk":
                 yield chunk_from_proto(response.chunk)
 
     def complete(self, prompt: Prompt, params: SamplingParams | None = None, *, n: int = 1,
-                 request_id: str | None = None, timeout_s: float | None = None) -> Completion:
-        return self._collect(generation_request(self.model, prompt, None, params, n, request_id), timeout_s)
+                 request_id: str | None = None, timeout_s: float | None = None,
+                 priority: int | None = None, traffic_class: str | None = None,
+                 cache_salt: str | None = None) -> Completion:
+        return self._collect(generation_request(self.model, prompt, None, params, RequestOptions(
+            n, request_id, priority, traffic_class, cache_salt)), timeout_s)
 
     def chat(self, messages: Messages, params: SamplingParams | None = None, *, n: int = 1,
-             request_id: str | None = None, timeout_s: float | None = None) -> Completion:
-        return self._collect(generation_request(self.model, None, messages, params, n, request_id), timeout_s)
+             request_id: str | None = None, timeout_s: float | None = None,
+             priority: int | None = None, traffic_class: str | None = None,
+             cache_salt: str | None = None) -> Completion:
+        return self._collect(generation_request(self.model, None, messages, params, RequestOptions(
+            n, request_id, priority, traffic_class, cache_salt)), timeout_s)
 
     def _collect(self, request: pb.GenerationRequest, timeout_s: float | None) -> Completion:
         builder = CompletionBuilder()

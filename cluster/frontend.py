@@ -20,6 +20,7 @@ from router.app import build_app
 from router.grpc_api import PublicGrpcServer
 from router.limits import RequestLimits
 from router.state import RouterConfig, RouterState
+from router.traffic import load_traffic_classes
 from router.workers import WorkerPool
 from telemetry.tracing import ROUTER_SERVICE, setup_tracing
 
@@ -34,7 +35,8 @@ def router_config(config, plan) -> RouterConfig:
                         max_queue=config.max_queue, limits=limits, tokenizer_threads=config.tokenizer_threads,
                         kv_transport=config.kv_transport_code, drain_timeout_s=config.drain_timeout,
                         local_prefill_max_tokens=config.local_prefill_max_tokens,
-                        request_timeout_s=config.request_timeout, migration_limit=config.migration_limit)
+                        request_timeout_s=config.request_timeout, migration_limit=config.migration_limit,
+                        traffic=load_traffic_classes(config.traffic_classes, config.scheduling_policy))
 
 
 class DrainingServer(uvicorn.Server):

@@ -118,6 +118,14 @@ class ServeConfig:
                                      "see README)")
     max_queue: int = flag(256, int, "sequences (prompts x n) in flight before new requests get 429; tokenize "
                                     "calls count one")
+    scheduling_policy: str = flag("fcfs", help="fcfs: arrival order everywhere; priority: requests run by their "
+                                               "priority (lower first: the request's own, else its traffic "
+                                               "class's), then arrival, at the router's admission queue, on the "
+                                               "prefill and decode workers, and in preemption (vLLM's flag)",
+                                  choices=("fcfs", "priority"))
+    traffic_classes: str | None = flag(None, help="a YAML or JSON file mapping a traffic class name to its "
+                                                  "priority, ttft_ms, tpot_ms and sheddable (router/traffic.py); "
+                                                  "requests name one with traffic_class (default: 'default')")
     max_n: int = flag(16, int, "choices (n) per prompt")
     max_prompts_per_request: int = flag(64, int, "prompts in one /v1/completions request")
     max_stop_strings: int = flag(16, int, "entries in a request's stop")

@@ -214,7 +214,7 @@ class DecodeWorker(pb_grpc.DecodeWorkerServicer):
                               _POLICIES.get(request.kv_failure_policy, self.config.kv_failure_policy))
         return AddRequest(request_id, list(request.prompt_token_ids), params, stream.put,
                           cache_salt=request.cache_salt or None, remote_kv=remote,
-                          resume_token_ids=tuple(request.resume_token_ids))
+                          resume_token_ids=tuple(request.resume_token_ids), priority=request.priority)
 
     async def _remote_prefill(self, request_id: str, request: pb.GenerateRequest, params, admission: _Admission):
         """Ask the prefill worker for the KV this worker lacks. Any failure becomes a
@@ -227,7 +227,7 @@ class DecodeWorker(pb_grpc.DecodeWorkerServicer):
                 request_id=request_id, prompt_token_ids=request.prompt_token_ids,
                 params=params_to_proto(params.with_overrides(seed=admission.seed)), cache_salt=request.cache_salt,
                 kv_from_pos=admission.kv_from_pos, transport=target.transport, kv_target=kv_target,
-                deadline_ms=int(deadline_s * 1000),
+                deadline_ms=int(deadline_s * 1000), priority=request.priority,
             )
             admission.prefill_sent = time.monotonic()
             await self._prefill_stub(target.address).Prefill(call, timeout=deadline_s,

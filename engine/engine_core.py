@@ -58,6 +58,7 @@ class EngineCoreOutput:
     error_scope: ErrorScope | None = None  # with error: whose fault it was
     kv_recomputed: bool = False  # its remote KV failed and the prompt was prefilled here
     times: RequestTimes | None = None  # on the last output: when it passed each point here
+    num_preemptions: int = 0  # on the last output: how often the scheduler preempted it here
 
     @classmethod
     def failed(cls, request_id: str, error: str, scope: ErrorScope, num_cached_tokens: int = 0,
@@ -403,6 +404,7 @@ class EngineCore:
             num_cached_tokens=request.num_cached_tokens,
             kv_recomputed=request.kv_recomputed,
             times=times if finished else None,
+            num_preemptions=request.num_preemptions if finished else 0,
         )
 
     def _to_position(self, lp: TokenLogprobs) -> PositionLogprobs:

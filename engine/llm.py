@@ -72,7 +72,8 @@ class LLM:
             num_kv_blocks=num_kv_blocks, kv_cache_memory_bytes=kv_cache_memory_bytes,
             gpu_memory_utilization=gpu_memory_utilization, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, max_step_ms=max_step_ms,
-            scheduling_policy=scheduling_policy, enable_prefix_caching=enable_prefix_caching, num_threads=num_threads, seed=seed,
+            scheduling_policy=scheduling_policy, enable_prefix_caching=enable_prefix_caching,
+            num_threads=num_threads, seed=seed,
             chat_template=chat_template, served_model_name=served_model_name,
             attention_backend=attention_backend, device=device,
         )

@@ -95,7 +95,7 @@ class PrefillWorker(pb_grpc.PrefillWorkerServicer):
             await asyncio.wrap_future(self.engine_loop.add(AddRequest(
                 request.request_id, list(request.prompt_token_ids), params, _Notify(finished),
                 cache_salt=request.cache_salt or None, arrival_time=received,  # queue time starts at the call
-                kv_export=KVExport(sink, request.kv_from_pos))))
+                kv_export=KVExport(sink, request.kv_from_pos), priority=request.priority)))
             output = await asyncio.wait_for(finished, deadline - time.monotonic())
             if output.finish_reason not in (FinishReason.STOP, FinishReason.LENGTH):
                 await context.abort(grpc.StatusCode.ABORTED, output.error or f"prefill ended: {output.finish_reason}")

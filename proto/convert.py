@@ -40,6 +40,7 @@ def output_to_chunk(output: EngineCoreOutput, num_prompt_tokens: int) -> pb.Gene
         prompt_logprobs=[position_to_proto(p) for p in output.new_prompt_logprobs],
         finish_reason=output.finish_reason or "", num_prompt_tokens=num_prompt_tokens,
         num_cached_tokens=output.num_cached_tokens, kv_recomputed=output.kv_recomputed,
+        num_preemptions=output.num_preemptions,
     )
     if isinstance(output.stop_reason, str):
         chunk.stop_string = output.stop_reason
@@ -65,5 +66,5 @@ def worker_stats(core: EngineCore, role: str, address: str, kv_bytes_sent: int =
         prefix_cache_queried_tokens=core.kv_manager.stats.num_queried_tokens,
         prefix_cache_hit_tokens=core.kv_manager.stats.num_hit_tokens,
         prefill_chunk_bounds=CHUNK_TOKEN_BUCKETS, prefill_chunk_counts=list(scheduler.step_budget.chunk_counts),
-        prefill_chunk_tokens_sum=scheduler.step_budget.chunk_sum,
+        prefill_chunk_tokens_sum=scheduler.step_budget.chunk_sum, max_num_seqs=scheduler.config.max_num_seqs,
     )

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from proto import worker_pb2 as proto_dot_worker__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16proto/generation.proto\x12\ttandem.v1\x1a\x12proto/worker.proto\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"0\n\x04\x43hat\x12(\n\x08messages\x18\x01 \x03(\x0b\x32\x16.tandem.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xd0\x01\n\x11GenerationRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12\x1f\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x0f.tandem.v1.ChatH\x00\x12(\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x13.tandem.v1.TokenIdsH\x00\x12)\n\x06params\x18\x05 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\t\n\x01n\x18\x06 \x01(\r\x12\x12\n\nrequest_id\x18\x07 \x01(\tB\x07\n\x05input\"\xc6\x01\n\x0fGenerationChunk\x12\r\n\x05index\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12-\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1b.tandem.v1.PositionLogprobs\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\x17\n\rstop_token_id\x18\x06 \x01(\rH\x00\x12\x15\n\x0bstop_string\x18\x07 \x01(\tH\x00\x42\r\n\x0bstop_reason\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"1\n\tChoiceEnd\x12\r\n\x05index\x18\x01 \x01(\r\x12\x15\n\rfinish_reason\x18\x02 \x01(\t\"Y\n\x0fGenerationFinal\x12\x1f\n\x05usage\x18\x01 \x01(\x0b\x32\x10.tandem.v1.Usage\x12%\n\x07\x63hoices\x18\x02 \x03(\x0b\x32\x14.tandem.v1.ChoiceEnd\"\x8a\x01\n\x12GenerationResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12+\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x1a.tandem.v1.GenerationChunkH\x00\x12+\n\x05\x66inal\x18\x03 \x01(\x0b\x32\x1a.tandem.v1.GenerationFinalH\x00\x42\x06\n\x04kind\"Z\n\x0fTokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12\x1f\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x0f.tandem.v1.ChatH\x00\x42\x07\n\x05input\"<\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\"\x13\n\x11ListModelsRequest\"Q\n\tModelCard\x12\n\n\x02id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x10\n\x08owned_by\x18\x03 \x01(\t\x12\x0f\n\x07\x63reated\x18\x04 \x01(\x03\":\n\x12ListModelsResponse\x12$\n\x06models\x18\x01 \x03(\x0b\x32\x14.tandem.v1.ModelCard2\xe7\x01\n\nGeneration\x12I\n\x08Generate\x12\x1c.tandem.v1.GenerationRequest\x1a\x1d.tandem.v1.GenerationResponse0\x01\x12\x43\n\x08Tokenize\x12\x1a.tandem.v1.TokenizeRequest\x1a\x1b.tandem.v1.TokenizeResponse\x12I\n\nListModels\x12\x1c.tandem.v1.ListModelsRequest\x1a\x1d.tandem.v1.ListModelsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16proto/generation.proto\x12\ttandem.v1\x1a\x12proto/worker.proto\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"0\n\x04\x43hat\x12(\n\x08messages\x18\x01 \x03(\x0b\x32\x16.tandem.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\x9f\x02\n\x11GenerationRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12\x1f\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x0f.tandem.v1.ChatH\x00\x12(\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x13.tandem.v1.TokenIdsH\x00\x12)\n\x06params\x18\x05 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\t\n\x01n\x18\x06 \x01(\r\x12\x12\n\nrequest_id\x18\x07 \x01(\t\x12\x15\n\x08priority\x18\x08 \x01(\x05H\x01\x88\x01\x01\x12\x15\n\rtraffic_class\x18\t \x01(\t\x12\x12\n\ncache_salt\x18\n \x01(\tB\x07\n\x05inputB\x0b\n\t_priority\"\xc6\x01\n\x0fGenerationChunk\x12\r\n\x05index\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12-\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1b.tandem.v1.PositionLogprobs\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\x17\n\rstop_token_id\x18\x06 \x01(\rH\x00\x12\x15\n\x0bstop_string\x18\x07 \x01(\tH\x00\x42\r\n\x0bstop_reason\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"1\n\tChoiceEnd\x12\r\n\x05index\x18\x01 \x01(\r\x12\x15\n\rfinish_reason\x18\x02 \x01(\t\"Y\n\x0fGenerationFinal\x12\x1f\n\x05usage\x18\x01 \x01(\x0b\x32\x10.tandem.v1.Usage\x12%\n\x07\x63hoices\x18\x02 \x03(\x0b\x32\x14.tandem.v1.ChoiceEnd\"\x8a\x01\n\x12GenerationResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12+\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x1a.tandem.v1.GenerationChunkH\x00\x12+\n\x05\x66inal\x18\x03 \x01(\x0b\x32\x1a.tandem.v1.GenerationFinalH\x00\x42\x06\n\x04kind\"Z\n\x0fTokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12\x1f\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x0f.tandem.v1.ChatH\x00\x42\x07\n\x05input\"<\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\"\x13\n\x11ListModelsRequest\"Q\n\tModelCard\x12\n\n\x02id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x10\n\x08owned_by\x18\x03 \x01(\t\x12\x0f\n\x07\x63reated\x18\x04 \x01(\x03\":\n\x12ListModelsResponse\x12$\n\x06models\x18\x01 \x03(\x0b\x32\x14.tandem.v1.ModelCard2\xe7\x01\n\nGeneration\x12I\n\x08Generate\x12\x1c.tandem.v1.GenerationRequest\x1a\x1d.tandem.v1.GenerationResponse0\x01\x12\x43\n\x08Tokenize\x12\x1a.tandem.v1.TokenizeRequest\x1a\x1b.tandem.v1.TokenizeResponse\x12I\n\nListModels\x12\x1c.tandem.v1.ListModelsRequest\x1a\x1d.tandem.v1.ListModelsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -39,27 +39,27 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENIDS']._serialized_start=153
   _globals['_TOKENIDS']._serialized_end=176
   _globals['_GENERATIONREQUEST']._serialized_start=179
-  _globals['_GENERATIONREQUEST']._serialized_end=387
-  _globals['_GENERATIONCHUNK']._serialized_start=390
-  _globals['_GENERATIONCHUNK']._serialized_end=588
-  _globals['_USAGE']._serialized_start=590
-  _globals['_USAGE']._serialized_end=670
-  _globals['_CHOICEEND']._serialized_start=672
-  _globals['_CHOICEEND']._serialized_end=721
-  _globals['_GENERATIONFINAL']._serialized_start=723
-  _globals['_GENERATIONFINAL']._serialized_end=812
-  _globals['_GENERATIONRESPONSE']._serialized_start=815
-  _globals['_GENERATIONRESPONSE']._serialized_end=953
-  _globals['_TOKENIZEREQUEST']._serialized_start=955
-  _globals['_TOKENIZEREQUEST']._serialized_end=1045
-  _globals['_TOKENIZERESPONSE']._serialized_start=1047
-  _globals['_TOKENIZERESPONSE']._serialized_end=1107
-  _globals['_LISTMODELSREQUEST']._serialized_start=1109
-  _globals['_LISTMODELSREQUEST']._serialized_end=1128
-  _globals['_MODELCARD']._serialized_start=1130
-  _globals['_MODELCARD']._serialized_end=1211
-  _globals['_LISTMODELSRESPONSE']._serialized_start=1213
-  _globals['_LISTMODELSRESPONSE']._serialized_end=1271
-  _globals['_GENERATION']._serialized_start=1274
-  _globals['_GENERATION']._serialized_end=1505
+  _globals['_GENERATIONREQUEST']._serialized_end=466
+  _globals['_GENERATIONCHUNK']._serialized_start=469
+  _globals['_GENERATIONCHUNK']._serialized_end=667
+  _globals['_USAGE']._serialized_start=669
+  _globals['_USAGE']._serialized_end=749
+  _globals['_CHOICEEND']._serialized_start=751
+  _globals['_CHOICEEND']._serialized_end=800
+  _globals['_GENERATIONFINAL']._serialized_start=802
+  _globals['_GENERATIONFINAL']._serialized_end=891
+  _globals['_GENERATIONRESPONSE']._serialized_start=894
+  _globals['_GENERATIONRESPONSE']._serialized_end=1032
+  _globals['_TOKENIZEREQUEST']._serialized_start=1034
+  _globals['_TOKENIZEREQUEST']._serialized_end=1124
+  _globals['_TOKENIZERESPONSE']._serialized_start=1126
+  _globals['_TOKENIZERESPONSE']._serialized_end=1186
+  _globals['_LISTMODELSREQUEST']._serialized_start=1188
+  _globals['_LISTMODELSREQUEST']._serialized_end=1207
+  _globals['_MODELCARD']._serialized_start=1209
+  _globals['_MODELCARD']._serialized_end=1290
+  _globals['_LISTMODELSRESPONSE']._serialized_start=1292
+  _globals['_LISTMODELSRESPONSE']._serialized_end=1350
+  _globals['_GENERATION']._serialized_start=1353
+  _globals['_GENERATION']._serialized_end=1584
 # @@protoc_insertion_point(module_scope)

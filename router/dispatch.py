@@ -219,22 +219,23 @@ class Dispatcher:
                               else "remote")
         trace.attempts += 1
         trace.decode, trace.prefill = decode.address, prefill.address if prefill else None
+        # whichever worker prefills it has these prompt tokens to compute (prediction, load routing)
+        prefiller, num_queued = (prefill, num_prompt) if prefill is not None else (decode, max(0, missing))
         if prefill is not None:
             request.prefill.address = prefill.address
             request.prefill.transport = self.kv_transport
             prefill.in_flight += 1
-            prefill.prompt_tokens_in_flight += num_prompt
+        prefiller.prompt_tokens_in_flight += num_queued
         decode.in_flight += 1
         self.active[request.request_id] = decode.address
         call = self.pool.decode_stub(decode).Generate(request, metadata=self.pool.metadata + trace.metadata,
                                                       timeout=max(0.001, moves.deadline - time.monotonic()))
-        prefilling = prefill is not None
+        prefilling = True
         try:
             async for chunk in call:
-                if prefilling:  # the first token: the prefill worker is done with it
+                if prefilling and chunk.token_ids:  # the first token: its prompt is done
                     prefilling = False
-                    prefill.in_flight -= 1
-                    prefill.prompt_tokens_in_flight -= num_prompt
+                    self._prefilled(prefill, prefiller, num_queued)
                 if moves.started:
                     chunk.num_cached_tokens = 0  # the usage's cached tokens are the first worker's
                 yield chunk
@@ -243,8 +244,14 @@ class Dispatcher:
             decode.in_flight -= 1
             self.active.pop(request.request_id, None)
             if prefilling:
-                prefill.in_flight -= 1
-                prefill.prompt_tokens_in_flight -= num_prompt
+                self._prefilled(prefill, prefiller, num_queued)
+
+    @staticmethod
+    def _prefilled(prefill: WorkerView | None, prefiller: WorkerView, num_queued: int) -> None:
+        """The attempt's prompt is no longer queued where it was prefilled."""
+        if prefill is not None:
+            prefill.in_flight -= 1
+        prefiller.prompt_tokens_in_flight -= num_queued
 
     @staticmethod
     def _attempt_request(sequence: Sequence, moves: _Moves) -> pb.GenerateRequest:

@@ -43,6 +43,11 @@ def _request_body(request: pb.GenerationRequest) -> dict:
     body.update(model=request.model, n=request.n or 1, stop=list(params.stop) or None,
                 stop_token_ids=list(params.stop_token_ids) or None, ignore_eos=params.ignore_eos,
                 min_tokens=params.min_tokens, include_stop_str_in_output=params.include_stop_str_in_output)
+    if request.HasField("priority"):
+        body["priority"] = request.priority
+    for name in ("traffic_class", "cache_salt"):  # "" is unset, as the HTTP API's absent field
+        if getattr(request, name):
+            body[name] = getattr(request, name)
     if params.HasField("prompt_logprobs"):
         raise APIError(400, "prompt_logprobs is not supported over gRPC yet; use the HTTP API's echo",
                        "params.prompt_logprobs")

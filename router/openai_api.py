@@ -14,6 +14,7 @@ from engine.outputs import FinishReason
 from engine.sampling_params import MAX_SEED, InvalidParam
 from proto import worker_pb2 as pb
 from proto.convert import params_to_proto
+from router.admission import Ticket
 from router.dispatch import Sequence, SequenceChunk
 from router.errors import APIError, sse_error
 from router.limits import check_sequences
@@ -35,6 +36,7 @@ class PreparedRequest:
     num_top_logprobs: int | None  # per generated token, when asked
     started: float = field(default_factory=time.monotonic)  # admission (latency metrics start here; set by admit)
     trace: RequestTrace | None = None  # set by RouterState.admit
+    ticket: Ticket | None = None  # its places in admission (set by RouterState.admit)
     echo: bool = False
     include_usage: bool = False
     continuous_usage: bool = False
@@ -51,6 +53,7 @@ class Choice:
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
+    num_preemptions: int = 0  # how often the decode worker preempted it (its last chunk says)
     first_token_at: float | None = None  # time.monotonic() of its first token (metrics, traces)
     last_token_at: float | None = None  # ... and of its latest
 
@@ -60,6 +63,7 @@ class Choice:
         self.logprobs += chunk.logprobs
         self.prompt_logprobs += chunk.prompt_logprobs
         self.num_cached_tokens = max(self.num_cached_tokens, chunk.num_cached_tokens)
+        self.num_preemptions += chunk.num_preemptions
         if chunk.finish_reason:
             self.finish_reason = FinishReason(chunk.finish_reason)
             kind = chunk.WhichOneof("stop_reason")
@@ -82,7 +86,8 @@ def check_chat(state: RouterState, body: ChatCompletionRequest) -> int:
     return check_sequences(state.config.limits, 1, body.n, state.config.max_queue)
 
 
-def prepare_completion(state: RouterState, body: CompletionRequest, request_id: str) -> PreparedRequest:
+def prepare_completion(state: RouterState, body: CompletionRequest, request_id: str,
+                       priority: int = 0) -> PreparedRequest:
     tokenizer = state.tokenizer
     texts, ids = [], []
     for prompt in body.prompts():
@@ -95,7 +100,7 @@ def prepare_completion(state: RouterState, body: CompletionRequest, request_id: 
     prompt_logprobs = body.logprobs if body.echo and body.logprobs is not None else None
     prepared = PreparedRequest(RequestKind.COMPLETION, f"cmpl-{request_id}", ids, texts, [], body.logprobs,
                                echo=body.echo)
-    _finish_prepare(state, body, prepared, request_id, body.max_tokens, body.logprobs, prompt_logprobs)
+    _finish_prepare(state, body, prepared, request_id, body.max_tokens, body.logprobs, prompt_logprobs, priority)
     return prepared
 
 
@@ -109,12 +114,13 @@ def chat_token_ids(state: RouterState, conversation: list[dict], add_generation_
     return text, state.tokenizer.encode(text, add_special_tokens=False)  # the template wrote its own
 
 
-def prepare_chat(state: RouterState, body: ChatCompletionRequest, request_id: str) -> PreparedRequest:
+def prepare_chat(state: RouterState, body: ChatCompletionRequest, request_id: str,
+                 priority: int = 0) -> PreparedRequest:
     text, ids = chat_token_ids(state, body.conversation(), body.add_generation_prompt)
     num_top = (body.top_logprobs or 0) if body.logprobs else None
     prepared = PreparedRequest(RequestKind.CHAT, f"chatcmpl-{request_id}", [ids], [text], [], num_top)
     max_tokens = body.max_completion_tokens or body.max_tokens
-    _finish_prepare(state, body, prepared, request_id, max_tokens, num_top, None)
+    _finish_prepare(state, body, prepared, request_id, max_tokens, num_top, None, priority)
     return prepared
 
 
@@ -126,11 +132,13 @@ async def admit(state: RouterState, body: CompletionRequest | ChatCompletionRequ
         num_sequences, prepare = check_chat(state, body), prepare_chat
     else:
         num_sequences, prepare = check_completion(state, body), prepare_completion
-    return await state.admit(lambda: prepare(state, body, request_id), request_id, num_sequences)
+    choice = state.resolve_class(body.traffic_class, body.priority)
+    return await state.admit(lambda: prepare(state, body, request_id, choice.priority), request_id, num_sequences,
+                             choice)
 
 
 def _finish_prepare(state: RouterState, body, prepared: PreparedRequest, request_id: str, max_tokens: int | None,
-                    logprobs: int | None, prompt_logprobs: int | None) -> None:
+                    logprobs: int | None, prompt_logprobs: int | None, priority: int) -> None:
     limit = state.config.max_model_len
     param = "messages" if prepared.kind is RequestKind.CHAT else "prompt"
     for ids in prepared.prompt_ids:
@@ -158,7 +166,7 @@ def _finish_prepare(state: RouterState, body, prepared: PreparedRequest, request
             # the dispatcher makes each attempt's worker id unique (this id plus a random suffix)
             message = pb.GenerateRequest(request_id=f"{request_id}-{index}", prompt_token_ids=ids,
                                          params=params_to_proto(params.with_overrides(n=1, seed=seed)),
-                                         cache_salt="")
+                                         cache_salt=body.cache_salt or "", priority=priority)
             prepared.sequences.append(Sequence(index, prompt_index, message))
             index += 1
 

@@ -69,6 +69,12 @@ class _Common(BaseModel):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # vLLM's priority (lower runs first; --scheduling-policy priority) and cache_salt (prefix-cache
+    # blocks are shared only between requests of the same salt); tandem's traffic_class
+    # (router/traffic.py). Unset priority: the class's.
+    priority: int | None = Field(None, ge=-(1 << 31), le=INT32_MAX)
+    traffic_class: str | None = Field(None, min_length=1, max_length=64)
+    cache_salt: str | None = Field(None, min_length=1, max_length=256)
     # declared so that they can be refused by name
     logit_bias: Any = None
     best_of: Any = None

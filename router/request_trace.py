@@ -40,6 +40,9 @@ class RequestTrace:
     tokenized: float | None = None
     root: object | None = None  # the SERVER span, with tracing on
     sequences: list[SequenceTrace] = field(default_factory=list)
+    traffic_class: str = "default"  # router/traffic.py: the label of its per-class metrics
+    priority: int = 0
+    queued_s: float = 0.0  # waited in the router's admission queue for room on the workers
 
     def begin(self, operation: str, model: str, params: pb.SamplingParams, num_sequences: int) -> None:
         """Tokenized and validated: open the request span (tracing on) and one trace per sequence."""
@@ -54,6 +57,7 @@ class RequestTrace:
                 "gen_ai.request.top_p": params.top_p if params.HasField("top_p") else None,
                 "gen_ai.request.seed": params.seed if params.HasField("seed") else None,
                 "gen_ai.request.choice.count": num_sequences,
+                "tandem.traffic_class": self.traffic_class, "tandem.priority": self.priority,
             }
             self.root = self.tracing.start(f"{operation} {model}", None, unix_ns(self.started), SpanKind.SERVER,
                                            attributes)
@@ -76,7 +80,8 @@ class RequestTrace:
                     if name in ("kv_transfer", "decode_queue") and not stages.remote_prefill:
                         continue  # prefilled on the decode worker: no such stage
                     metrics.stage.labels(name).observe(getattr(stages, name))
-                metrics.queue_time.observe(stages.prefill_queue + stages.decode_queue)
+                metrics.queue_time.labels(self.traffic_class).observe(self.queued_s + stages.prefill_queue
+                                                                      + stages.decode_queue)
                 if stages.remote_prefill:
                     metrics.kv_transfer.observe(stages.kv_transfer_total)
             if sequence.last_chunk_at is not None:
@@ -108,7 +113,8 @@ class RequestTrace:
             "gen_ai.usage.output_tokens": sum(len(c.token_ids) for c in choices),
             "gen_ai.response.finish_reasons": [str(c.finish_reason or FinishReason.ERROR) for c in choices],
             "tandem.time_to_first_token_s": min(first) - self.started if first else None,
-            "tandem.time_in_queue_s": max((s.prefill_queue + s.decode_queue for s in stages), default=None),
+            "tandem.time_in_queue_s": self.queued_s + max((s.prefill_queue + s.decode_queue for s in stages),
+                                                          default=0.0),
             "tandem.cached_tokens": max((c.num_cached_tokens for c in choices), default=0),
             "tandem.kv_bytes": sum(s.kv_bytes for s in stages),
             "tandem.decode_workers": sorted({s.decode for s in self.sequences if s.decode}),

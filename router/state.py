@@ -1,5 +1,6 @@
 """What the gateway holds: its configuration, the model's tokenizer and defaults, the worker
-pool and dispatcher, admission (in-flight limit, draining) and metrics."""
+pool and dispatcher, admission (router/admission.py: places, the queue by traffic class,
+shedding; draining) and metrics."""
 
 from __future__ import annotations
 
@@ -19,11 +20,15 @@ from engine.model_info import ModelInfo
 from engine.outputs import FinishReason
 from prefix_index.reader import PrefixIndex
 from proto import worker_pb2 as pb
+from proto.rpc import Role
+from router.admission import Admission, Ticket
 from router.dispatch import Dispatcher
 from router.errors import APIError
 from router.limits import RequestLimits
 from router.protocol import RequestKind
 from router.request_trace import RequestTrace
+from router.traffic import ClassChoice, TrafficClasses
+from router.ttft import TTFTPredictor
 from router.workers import WorkerPool
 from telemetry.metrics import ClusterCollector, RouterMetrics
 from telemetry.tracing import Tracing
@@ -45,6 +50,7 @@ class RouterConfig:
     local_prefill_max_tokens: int = 0  # --local-prefill-max-tokens: shorter prompts skip the prefill worker
     request_timeout_s: float = 600.0  # --request-timeout: admission to last token, or 504
     migration_limit: int = 3  # --migration-limit: moves to another decode worker after the first token
+    traffic: TrafficClasses = TrafficClasses()  # --traffic-classes under --scheduling-policy (router/traffic.py)
 
     def __post_init__(self) -> None:
         if self.max_queue < 1 or self.tokenizer_threads < 1 or self.max_model_len < 2:
@@ -71,12 +77,18 @@ class RouterState:
                                      on_decision=self.record_decision, request_timeout_s=config.request_timeout_s,
                                      migration_limit=config.migration_limit)
         self.draining = False
-        self.num_in_flight = 0
         self.started = time.time()
         self.tracing = tracing  # None: tracing off
         self.registry = CollectorRegistry()
         self.metrics = RouterMetrics(self.registry)
         self.registry.register(ClusterCollector(pool, config.served_model_name))
+        self.admission = Admission(config.max_queue, config.traffic.policy, self._dispatch_limit, self._count_shed)
+        counts = self.admission.counts  # the gauges read it at scrape time
+        self.metrics.running.set_function(lambda: counts.held)
+        for name in config.traffic.names:
+            self.metrics.queued.labels(name).set_function(lambda name=name: counts.queued.get(name, 0))
+            self.metrics.declare_class(name)  # every class's series exist from the start, at 0
+        self.ttft = TTFTPredictor(pool)
 
     # -- admission ----------------------------------------------------------------------------
     def check_model(self, model: str | None) -> None:
@@ -89,19 +101,42 @@ class RouterState:
         sent = (authorization or "").removeprefix("Bearer ").strip()
         return hmac.compare_digest(sent.encode(), self.config.api_key.encode())
 
-    async def admit(self, prepare: Callable[[], T], request_id: str, num_sequences: int) -> T:
-        """Start a generation request of ``num_sequences`` sequences (prompts x n): refuse it
-        (APIError) while draining, with no healthy worker or past --max-queue sequences in
-        flight; else count them in flight and return ``prepare()``, run in the tokenizer pool
-        (its tokenizing and validation are the request's ``tokenize`` stage). A prepare that
-        raises leaves nothing counted; a prepared request ends with ``finish_request``."""
-        self._reserve(num_sequences)  # held until finish_request
+    @property
+    def num_in_flight(self) -> int:
+        """Sequences admission holds (queued here or on the workers; tokenize calls count one)."""
+        return self.admission.counts.held
+
+    def resolve_class(self, traffic_class: str | None, priority: int | None) -> ClassChoice:
+        """A request's traffic class and priority (400 for an unknown class, or a priority the
+        scheduling policy does not allow)."""
+        return self.config.traffic.resolve(traffic_class, priority)
+
+    async def admit(self, prepare: Callable[[], T], request_id: str, num_sequences: int,
+                    choice: ClassChoice | None = None) -> T:
+        """Start a generation request of ``num_sequences`` sequences (prompts x n) of traffic
+        class ``choice``: refuse it (APIError) while draining, with no healthy worker, or when
+        admission has no place (router/admission.py); else hold its places, run ``prepare()``
+        in the tokenizer pool (its tokenizing and validation are the request's ``tokenize``
+        stage), shed it if its class is sheddable and its predicted time to first token
+        misses the class's target, and return once it may be dispatched. A prepare that
+        raises, a shed or a timeout leaves nothing held; a returned request ends with
+        ``finish_request``."""
+        choice = choice or self.resolve_class(None, None)
+        self._check_serving()
+        ticket = self.admission.hold(num_sequences, choice)  # held until finish_request
         try:
-            trace = RequestTrace(request_id, self.tracing)
+            trace = RequestTrace(request_id, self.tracing, traffic_class=choice.traffic_class.name,
+                                 priority=choice.priority)
             prepared = await self.run_frontend(prepare)
             assert len(prepared.sequences) == num_sequences, "admission counted other sequences than were made"
+            prepared.ticket = ticket
+            if choice.traffic_class.sheddable:
+                await self._shed_if_late(prepared, ticket)
+            waited = time.monotonic()
+            await self.admission.wait_turn(ticket, self.config.request_timeout_s)
+            trace.queued_s = time.monotonic() - waited
         except BaseException:
-            self._set_in_flight(self.num_in_flight - num_sequences)
+            self.admission.release(ticket)
             raise
         operation = "chat" if prepared.kind is RequestKind.CHAT else "text_completion"
         trace.begin(operation, self.config.served_model_name, prepared.sequences[0].request.params,
@@ -110,44 +145,71 @@ class RouterState:
         prepared.sequences = [dataclasses.replace(s, trace=t) for s, t in zip(prepared.sequences, trace.sequences)]
         return prepared
 
+    async def _shed_if_late(self, prepared, ticket: Ticket) -> None:
+        """SLO-aware admission: raise a 429 when the request's predicted time to first token
+        (router/ttft.py; its longest prompt, its cache hits as the prefix index knows them)
+        exceeds its class's target."""
+        request = max((s.request for s in prepared.sequences), key=lambda r: len(r.prompt_token_ids))
+        route = await self.dispatcher.route(request)
+        cached = max(route.hits.values(), default=0) if route.hits else 0
+        ahead = self.admission.queued_ahead(ticket.choice) + ticket.num_sequences
+        predicted = self.ttft.predict(len(request.prompt_token_ids), cached, ahead, self.admission.room())
+        if predicted * 1000 > ticket.choice.traffic_class.ttft_ms:
+            raise self.admission.shed(ticket, predicted)
+
     @contextlib.asynccontextmanager
     async def admitted(self, num_sequences: int = 1):
-        """Hold ``num_sequences`` admission slots for the block (tokenize endpoints hold one)."""
-        self._reserve(num_sequences)
+        """Hold ``num_sequences`` admission places for the block (tokenize endpoints hold one)."""
+        self._check_serving()
+        self.admission.hold_plain(num_sequences)
         try:
             yield
         finally:
-            self._set_in_flight(self.num_in_flight - num_sequences)
+            self.admission.release_plain(num_sequences)
 
-    def _reserve(self, num_sequences: int) -> None:
-        """Count ``num_sequences`` in flight, or refuse (APIError) while draining, with no
-        healthy worker or past --max-queue."""
+    def _check_serving(self) -> None:
         if self.draining:
             raise APIError(503, "the server is shutting down", headers={"Retry-After": "5"})
         if not self.pool.is_ready:
             raise APIError(503, "no healthy worker is available; try again shortly", headers={"Retry-After": "1"})
-        if self.num_in_flight + num_sequences > self.config.max_queue:
-            raise APIError(429, f"too many sequences in flight (--max-queue {self.config.max_queue}); retry later",
-                           headers={"Retry-After": "1"})
-        self._set_in_flight(self.num_in_flight + num_sequences)
+
+    def _dispatch_limit(self) -> int:
+        """Sequences the healthy decode workers run at once (their max_num_seqs), which the
+        priority policy dispatches at most; until their Stats say, --max-queue."""
+        workers = [w for w in self.pool.routable(Role.DECODE) if w.healthy and w.stats is not None]
+        limits = [w.stats.max_num_seqs for w in workers if w.stats.max_num_seqs]
+        return sum(limits) if limits else self.config.max_queue
+
+    def _count_shed(self, choice: ClassChoice, reason: str) -> None:
+        self.metrics.shed.labels(choice.traffic_class.name, reason).inc()
 
     async def run_frontend(self, work: Callable[[], T]) -> T:
         """``work()`` in the tokenizer pool (tokenizing, chat templates, detokenizing)."""
         return await asyncio.get_running_loop().run_in_executor(self.frontend, work)
 
-    def _set_in_flight(self, count: int) -> None:
-        self.num_in_flight = count
-        self.metrics.running.set(count)
-
     def finish_request(self, prepared, choices) -> None:
-        self._set_in_flight(self.num_in_flight - len(prepared.sequences))
+        self.admission.release(prepared.ticket)
         choices = sorted(choices, key=lambda c: c.index)
-        metrics = self.metrics
-        metrics.prompt_tokens.inc(sum(len(ids) for ids in prepared.prompt_ids))
-        metrics.generation_tokens.inc(sum(len(c.token_ids) for c in choices))
+        metrics, label = self.metrics, prepared.trace.traffic_class
+        now = time.monotonic()
+        num_prompt = sum(len(ids) for ids in prepared.prompt_ids)
+        num_generated = sum(len(c.token_ids) for c in choices)
+        metrics.prompt_tokens.inc(num_prompt)
+        metrics.generation_tokens.inc(num_generated)
+        metrics.prompt_length.labels(label).observe(num_prompt)
+        metrics.generation_length.labels(label).observe(num_generated)
         for choice in choices:
             metrics.finished.labels(choice.finish_reason or FinishReason.ERROR).inc()
-        metrics.e2e.observe(time.monotonic() - prepared.started)
+            if choice.num_preemptions:
+                metrics.preempted.labels(label).inc(choice.num_preemptions)
+            if choice.first_token_at is not None and len(choice.token_ids) > 1:
+                metrics.tpot.labels(label).observe((choice.last_token_at - choice.first_token_at)
+                                                   / (len(choice.token_ids) - 1))
+            self.ttft.sequence_finished(now)
+        for sequence in prepared.trace.sequences:
+            if sequence.stages is not None and sequence.stages.remote_prefill:
+                self.ttft.transfer_observed(sequence.stages.kv_transfer)
+        metrics.e2e.labels(label).observe(now - prepared.started)
         unfinished = [c.index for c in choices if c.finish_reason in (None, FinishReason.ERROR)]
         prepared.trace.finish(metrics, choices, prepared.prompt_ids, prepared.prompt_texts,
                               f"choices {unfinished} did not finish" if unfinished else None)
@@ -163,11 +225,12 @@ class RouterState:
             sequence.stages = chunk.stages
         if not chunk.token_ids:
             return
+        label = prepared.trace.traffic_class
         if choice.last_token_at is None:
-            self.metrics.ttft.observe(now - prepared.started)
+            self.metrics.ttft.labels(label).observe(now - prepared.started)
             choice.first_token_at = now
         else:
-            self.metrics.itl.observe(now - choice.last_token_at)
+            self.metrics.itl.labels(label).observe(now - choice.last_token_at)
         choice.last_token_at = now
 
     def record_decision(self, decision: str) -> None:

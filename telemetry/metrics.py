@@ -22,25 +22,46 @@ REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 2
                            240.0, 480.0, 960.0, 1920.0, 7680.0)
 
 
+TOKEN_COUNT_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
+CLASS = ["traffic_class"]  # router/traffic.py: every per-request histogram is labelled by class
+SHED_REASONS = ("predicted_ttft", "displaced")  # router/admission.py
+
+
 class RouterMetrics:
     """The router's metrics in one registry (``/metrics`` serves it)."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
-        self.running = Gauge("tandem:num_requests_running", "Requests in flight at the router", registry=registry)
+        self.running = Gauge("tandem:num_requests_running", "Sequences held by the router's admission (queued there "
+                             "or on the workers)", registry=registry)
+        self.queued = Gauge("tandem:num_requests_queued", "Sequences waiting in the router's admission queue for "
+                            "room on the workers (--scheduling-policy priority)", CLASS, registry=registry)
         self.prompt_tokens = Counter("tandem:prompt_tokens", "Prompt tokens of finished requests", registry=registry)
         self.generation_tokens = Counter("tandem:generation_tokens", "Tokens generated for finished requests",
                                          registry=registry)
         self.finished = Counter("tandem:request_success", "Finished sequences by finish reason", ["finished_reason"],
                                 registry=registry)
         self.e2e = Histogram("tandem:e2e_request_latency_seconds", "Arrival to the response's end, per request",
-                             buckets=REQUEST_LATENCY_BUCKETS, registry=registry)
+                             CLASS, buckets=REQUEST_LATENCY_BUCKETS, registry=registry)
         self.ttft = Histogram("tandem:time_to_first_token_seconds", "Arrival to each choice's first token",
-                              buckets=TTFT_BUCKETS, registry=registry)
+                              CLASS, buckets=TTFT_BUCKETS, registry=registry)
         self.itl = Histogram("tandem:inter_token_latency_seconds", "Gap between a choice's consecutive tokens",
-                             buckets=ITL_BUCKETS, registry=registry)
-        self.queue_time = Histogram("tandem:request_queue_time_seconds", "Time a sequence waited in queues "
-                                    "(prefill_queue + decode_queue stages)", buckets=REQUEST_LATENCY_BUCKETS,
-                                    registry=registry)
+                             CLASS, buckets=ITL_BUCKETS, registry=registry)
+        self.tpot = Histogram("tandem:request_time_per_output_token_seconds", "Per choice: its first token to its "
+                              "last, divided by the tokens after the first", CLASS, buckets=ITL_BUCKETS,
+                              registry=registry)
+        self.queue_time = Histogram("tandem:request_queue_time_seconds", "Time a sequence waited in queues (the "
+                                    "router's admission queue, then the prefill_queue and decode_queue stages)",
+                                    CLASS, buckets=REQUEST_LATENCY_BUCKETS, registry=registry)
+        self.prompt_length = Histogram("tandem:request_prompt_tokens", "Prompt tokens per finished request", CLASS,
+                                       buckets=TOKEN_COUNT_BUCKETS, registry=registry)
+        self.generation_length = Histogram("tandem:request_generation_tokens", "Generated tokens per finished "
+                                           "request (all its choices)", CLASS, buckets=TOKEN_COUNT_BUCKETS,
+                                           registry=registry)
+        self.preempted = Counter("tandem:request_preemptions", "Times the decode workers preempted a finished "
+                                 "sequence (its KV freed, its tokens recomputed later)", CLASS, registry=registry)
+        self.shed = Counter("tandem:requests_shed", "Requests refused with 429 by SLO-aware admission: "
+                            "predicted_ttft (its class's ttft_ms would be missed) or displaced (queued, it made "
+                            "room for a higher class)", CLASS + ["reason"], registry=registry)
         self.stage = Histogram("tandem:stage_latency_seconds", "Time on the critical path per stage", ["stage"],
                                buckets=TTFT_BUCKETS, registry=registry)
         self.kv_transfer = Histogram("tandem:kv_transfer_seconds", "A remote prefill's KV transfer, first chunk "
@@ -52,6 +73,15 @@ class RouterMetrics:
                                  "fallback to load routing", ["decision"], registry=registry)
 
 
+    def declare_class(self, traffic_class: str) -> None:
+        """Create a traffic class's series (Prometheus shows a labelled series only once it exists)."""
+        for metric in (self.e2e, self.ttft, self.itl, self.tpot, self.queue_time, self.prompt_length,
+                       self.generation_length, self.preempted):
+            metric.labels(traffic_class)
+        for reason in SHED_REASONS:
+            self.shed.labels(traffic_class, reason)
+
+
 class ClusterCollector:
     """Each worker's last Stats: DESIGN.md's per-worker names (labels model_name, worker, role)
     and every Stats field as ``tandem:worker_<field>{role,address}``. ``pool`` is the router's
@@ -59,7 +89,7 @@ class ClusterCollector:
 
     _FIELDS = ("num_free_kv_blocks", "num_kv_blocks", "num_running", "num_waiting", "num_waiting_for_remote_kv",
                "num_prompt_tokens_computed", "num_generation_tokens", "kv_bytes_received", "kv_bytes_sent",
-               "num_kv_recomputed", "num_kv_failed", "max_num_running")
+               "num_kv_recomputed", "num_kv_failed", "max_num_running", "max_num_seqs")
 
     def __init__(self, pool, model_name: str) -> None:
         self._pool = pool
