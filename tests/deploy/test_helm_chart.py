@@ -433,7 +433,7 @@ def _check_exposure(docs, values, router, templates) -> None:
     for monitor in (d for d in docs if d["kind"] == "ServiceMonitor"):
         assert _matches(monitor["spec"]["selector"]["matchLabels"], router["metadata"]["labels"])
         assert all(e["port"] in router_ports and e["path"] == "/metrics" for e in monitor["spec"]["endpoints"])
-    for dashboard in (d for d in docs if d["kind"] == "ConfigMap"):
+    for dashboard in (d for d in docs if d["kind"] == "ConfigMap" and "tandem-dashboard.json" in d["data"]):
         shipped = json.loads((ROOT / "deploy/grafana/tandem-dashboard.json").read_text())
         assert json.loads(dashboard["data"]["tandem-dashboard.json"]) == shipped
     policies = [d for d in docs if d["kind"] == "NetworkPolicy"]
@@ -531,3 +531,31 @@ def test_secrets_given_as_values_land_in_the_chart_secret_and_generated_ones_are
     assert len({data["cluster-secret"], data["ray-auth-token"], data["redis-password"]}) == 3
     external = rendered("external-redis")
     assert not [d for d in external if d["kind"] == "Secret"]  # every secret is one of yours
+
+
+def test_traffic_classes_reach_the_router_as_a_mounted_file_it_can_load(tmp_path):
+    """serve.trafficClasses becomes a ConfigMap mounted where the router's --traffic-classes
+    points, and what it holds is what router/traffic.py loads; without it, no ConfigMap."""
+    from router.traffic import load_traffic_classes
+
+    docs = rendered("colocated-cpu")
+    values = merged_values(CHART / "ci" / "colocated-cpu.yaml")
+    args = build_parser().parse_args(serve_argv(docs))
+    assert args.scheduling_policy == "priority"
+    config_map = one(docs, "ConfigMap", "rel-tandem-traffic-classes")
+    router = head_containers(docs)["router"]
+    mount = next(m for m in router["volumeMounts"] if m["name"] == "traffic-classes")
+    assert args.traffic_classes == mount["mountPath"] + "/classes.yaml"
+    cluster = one(docs, "RayCluster")
+    volume = next(v for v in cluster["spec"]["headGroupSpec"]["template"]["spec"]["volumes"]
+                  if v["name"] == "traffic-classes")
+    assert volume["configMap"]["name"] == config_map["metadata"]["name"]
+    path = tmp_path / "classes.yaml"
+    path.write_text(config_map["data"]["classes.yaml"])
+    classes = load_traffic_classes(path, args.scheduling_policy)
+    assert {name: (c.priority, c.ttft_ms, c.sheddable) for name, c in classes.classes.items() if name != "default"} \
+        == {name: (c["priority"], c["ttft_ms"], c.get("sheddable", False))
+            for name, c in values["serve"]["trafficClasses"].items()}
+    plain = build_parser().parse_args(serve_argv(rendered(None)))
+    assert plain.traffic_classes is None and plain.scheduling_policy == "fcfs"
+    assert not [d for d in rendered(None) if d["kind"] == "ConfigMap" and "traffic" in d["metadata"]["name"]]
