@@ -431,23 +431,6 @@ void attend_split_fixed(const float* qf, const scalar_t* cache, const int64_t* t
   }
 }
 
-// Calls f with the group size as a compile-time constant (std::integral_constant<int, G>) for
-// the compiled-in groups 1-8; false (f not called) for any other.
-template <typename F>
-bool with_group(int64_t group, F&& f) {
-  switch (group) {
-    case 1: f(std::integral_constant<int, 1>{}); return true;
-    case 2: f(std::integral_constant<int, 2>{}); return true;
-    case 3: f(std::integral_constant<int, 3>{}); return true;
-    case 4: f(std::integral_constant<int, 4>{}); return true;
-    case 5: f(std::integral_constant<int, 5>{}); return true;
-    case 6: f(std::integral_constant<int, 6>{}); return true;
-    case 7: f(std::integral_constant<int, 7>{}); return true;
-    case 8: f(std::integral_constant<int, 8>{}); return true;
-    default: return false;
-  }
-}
-
 // The compiled-in (head_dim, group) pairs; false: use attend_split.
 template <typename scalar_t, int D>
 bool attend_fixed_group(int64_t group, const float* qf, const scalar_t* cache, const int64_t* table,

