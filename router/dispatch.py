@@ -47,6 +47,7 @@ class Sequence:
     prompt_index: int  # which prompt of the request
     request: pb.GenerateRequest  # prompt, params, request id; the prefill target is set per attempt
     trace: SequenceTrace | None = None  # its route and workers (stage metrics, trace spans)
+    deadline: float | None = None  # time.monotonic() of its request's --request-timeout (None: from its dispatch)
 
 
 @dataclass(slots=True)
@@ -113,7 +114,7 @@ class Dispatcher:
         self.active: dict[str, str] = {}  # worker request id -> decode worker address (for drain aborts)
 
     async def stream(self, sequence: Sequence) -> AsyncIterator[pb.GenerateChunk]:
-        moves = _Moves(time.monotonic() + self.request_timeout_s)
+        moves = _Moves(sequence.deadline or time.monotonic() + self.request_timeout_s)
         trace = sequence.trace or SequenceTrace()
         trace.route_started = time.monotonic()
         route = await self.route(sequence.request)

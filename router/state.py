@@ -133,7 +133,8 @@ class RouterState:
             if choice.traffic_class.sheddable:
                 await self._shed_if_late(prepared, ticket)
             waited = time.monotonic()
-            await self.admission.wait_turn(ticket, self.config.request_timeout_s)
+            deadline = trace.started + self.config.request_timeout_s  # admission to last token, queue included
+            await self.admission.wait_turn(ticket, max(0.0, deadline - waited))
             trace.queued_s = time.monotonic() - waited
         except BaseException:
             self.admission.release(ticket)
@@ -142,7 +143,8 @@ class RouterState:
         trace.begin(operation, self.config.served_model_name, prepared.sequences[0].request.params,
                     len(prepared.sequences))
         prepared.trace, prepared.started = trace, trace.started
-        prepared.sequences = [dataclasses.replace(s, trace=t) for s, t in zip(prepared.sequences, trace.sequences)]
+        prepared.sequences = [dataclasses.replace(s, trace=t, deadline=deadline)
+                              for s, t in zip(prepared.sequences, trace.sequences)]
         return prepared
 
     async def _shed_if_late(self, prepared, ticket: Ticket) -> None:

@@ -43,6 +43,8 @@ def test_one_trace_across_router_prefill_and_decode(disagg_server, otlp_receiver
 
     # the router's SERVER span is the root; every span belongs to its trace
     assert root.service == "tandem-router" and root.kind == SERVER_KIND
+    # its traffic class (no --traffic-classes on this server: the default class, priority 0)
+    assert root.attributes["tandem.traffic_class"] == "default" and root.attributes["tandem.priority"] == 0
     assert root.name == "text_completion smollm2-135m-instruct"
     assert {s.trace_id for s in spans} == {root.trace_id}
     by_id = {s.span_id: s for s in spans}
