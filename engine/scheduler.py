@@ -91,7 +91,6 @@ class Scheduler:
             victim = self._lower_than(request)  # priority policy: a lower class yields its blocks
             if victim is None:
                 return None
-            self.running.remove(victim)
             self._preempt(victim)
         self.kv.record_lookup(request.num_prompt_tokens, num_cached)
         request.num_cached_tokens = num_cached
@@ -209,7 +208,6 @@ class Scheduler:
 
     def _preempt_in_step(self, victim: Request, step: _Step) -> None:
         """Preempt ``victim``, giving back what this step had scheduled for it."""
-        self.running.remove(victim)
         self._preempt(victim)
         undone = step.scheduled.pop(victim.request_id, None)
         if undone is not None:
@@ -233,6 +231,8 @@ class Scheduler:
         return victim if victim.priority > request.priority else None
 
     def _preempt(self, request: Request) -> None:
+        """A running request yields: out of the batch, its blocks freed, back to waiting."""
+        self.running.remove(request)
         self.kv.free(request.request_id)  # its full blocks stay cached: resuming may hit them
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0

@@ -25,7 +25,7 @@ import asyncio
 import itertools
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from engine.request_queue import SchedulingPolicy
 from router.errors import APIError
@@ -40,7 +40,6 @@ class Ticket:
     choice: ClassChoice
     order: int  # arrival order among tickets
     dispatched: bool = False
-    shed: bool = False
     turn: asyncio.Future | None = None  # waiting to be dispatched: resolved (None or an APIError) on its turn
     released: bool = False
 
@@ -55,7 +54,6 @@ class AdmissionCounts:
 
     held: int = 0  # sequences of admitted requests (queued + dispatched): at most --max-queue
     dispatched: int = 0  # of those, sequences on the workers
-    queued: dict[str, int] = field(default_factory=dict)  # traffic class -> sequences waiting here
 
 
 class Admission:
@@ -101,8 +99,6 @@ class Admission:
 
     def _shed_queued(self, ticket: Ticket, why: str) -> None:
         self._queue.remove(ticket)
-        self._count_queued(ticket, -1)
-        ticket.shed = True
         self.release(ticket)
         self._on_shed(ticket.choice, "displaced")
         if ticket.turn is not None and not ticket.turn.done():
@@ -112,7 +108,6 @@ class Admission:
         """Refuse a held request whose predicted time to first token misses its class's
         target: its places are released; the caller raises the error."""
         target_s = ticket.choice.traffic_class.ttft_ms / 1000
-        ticket.shed = True
         self.release(ticket)
         self._on_shed(ticket.choice, "predicted_ttft")
         retry = max(1, math.ceil(predicted_s - target_s))
@@ -149,7 +144,6 @@ class Admission:
         ticket.turn = asyncio.get_running_loop().create_future()
         self._queue.append(ticket)
         self._queue.sort(key=lambda t: t.key)
-        self._count_queued(ticket, +1)
         self._grant()
         try:
             outcome = await asyncio.wait_for(asyncio.shield(ticket.turn), timeout_s)
@@ -166,7 +160,6 @@ class Admission:
     def _leave_queue(self, ticket: Ticket) -> None:
         if ticket in self._queue:
             self._queue.remove(ticket)
-            self._count_queued(ticket, -1)
         if not ticket.dispatched:
             self.release(ticket)
 
@@ -183,7 +176,6 @@ class Admission:
             if not self._can_dispatch(head):
                 return
             self._queue.pop(0)
-            self._count_queued(head, -1)
             self._dispatch(head)
             if head.turn is not None and not head.turn.done():
                 head.turn.set_result(None)
@@ -200,9 +192,9 @@ class Admission:
             self._dispatched_by_priority[ticket.choice.priority] -= ticket.num_sequences
         self._grant()
 
-    def _count_queued(self, ticket: Ticket, sign: int) -> None:
-        name = ticket.choice.traffic_class.name
-        self.counts.queued[name] = self.counts.queued.get(name, 0) + sign * ticket.num_sequences
+    def queued(self, traffic_class: str) -> int:
+        """Sequences of a class waiting here (the router's gauge, read at scrape time)."""
+        return sum(t.num_sequences for t in self._queue if t.choice.traffic_class.name == traffic_class)
 
     # -- tokenize endpoints -----------------------------------------------------------------
     def hold_plain(self, num_sequences: int) -> None:

@@ -48,6 +48,7 @@ class Sequence:
     request: pb.GenerateRequest  # prompt, params, request id; the prefill target is set per attempt
     trace: SequenceTrace | None = None  # its route and workers (stage metrics, trace spans)
     deadline: float | None = None  # time.monotonic() of its request's --request-timeout (None: from its dispatch)
+    route: RouteRequest | None = None  # the prefix index's answer, when admission just asked it (else looked up here)
 
 
 @dataclass(slots=True)
@@ -117,7 +118,7 @@ class Dispatcher:
         moves = _Moves(sequence.deadline or time.monotonic() + self.request_timeout_s)
         trace = sequence.trace or SequenceTrace()
         trace.route_started = time.monotonic()
-        route = await self.route(sequence.request)
+        route = sequence.route or await self.route(sequence.request)
         if self.index is not None and route.hits is None:
             self._on_decision("fallback")  # the index did not answer: routed by load
         while True:

@@ -25,6 +25,7 @@ from router.admission import Admission, Ticket
 from router.dispatch import Dispatcher
 from router.errors import APIError
 from router.limits import RequestLimits
+from router.policy import RouteRequest
 from router.protocol import RequestKind
 from router.request_trace import RequestTrace
 from router.traffic import ClassChoice, TrafficClasses
@@ -86,7 +87,7 @@ class RouterState:
         counts = self.admission.counts  # the gauges read it at scrape time
         self.metrics.running.set_function(lambda: counts.held)
         for name in config.traffic.names:
-            self.metrics.queued.labels(name).set_function(lambda name=name: counts.queued.get(name, 0))
+            self.metrics.queued.labels(name).set_function(lambda name=name: self.admission.queued(name))
             self.metrics.declare_class(name)  # every class's series exist from the start, at 0
         self.ttft = TTFTPredictor(pool)
 
@@ -130,8 +131,7 @@ class RouterState:
             prepared = await self.run_frontend(prepare)
             assert len(prepared.sequences) == num_sequences, "admission counted other sequences than were made"
             prepared.ticket = ticket
-            if choice.traffic_class.sheddable:
-                await self._shed_if_late(prepared, ticket)
+            routed = await self._shed_if_late(prepared, ticket) if choice.traffic_class.sheddable else {}
             waited = time.monotonic()
             deadline = trace.started + self.config.request_timeout_s  # admission to last token, queue included
             await self.admission.wait_turn(ticket, max(0.0, deadline - waited))
@@ -143,21 +143,26 @@ class RouterState:
         trace.begin(operation, self.config.served_model_name, prepared.sequences[0].request.params,
                     len(prepared.sequences))
         prepared.trace, prepared.started = trace, trace.started
-        prepared.sequences = [dataclasses.replace(s, trace=t, deadline=deadline)
+        if ticket.turn is not None:
+            routed = {}  # it waited in the queue: the index's answer may be stale, dispatch asks again
+        prepared.sequences = [dataclasses.replace(s, trace=t, deadline=deadline, route=routed.get(s.index))
                               for s, t in zip(prepared.sequences, trace.sequences)]
         return prepared
 
-    async def _shed_if_late(self, prepared, ticket: Ticket) -> None:
+    async def _shed_if_late(self, prepared, ticket: Ticket) -> dict[int, RouteRequest]:
         """SLO-aware admission: raise a 429 when the request's predicted time to first token
         (router/ttft.py; its longest prompt, its cache hits as the prefix index knows them)
-        exceeds its class's target."""
-        request = max((s.request for s in prepared.sequences), key=lambda r: len(r.prompt_token_ids))
+        exceeds its class's target. Returns the route it looked up, by sequence index, for
+        dispatch to reuse."""
+        sequence = max(prepared.sequences, key=lambda s: len(s.request.prompt_token_ids))
+        request = sequence.request
         route = await self.dispatcher.route(request)
         cached = max(route.hits.values(), default=0) if route.hits else 0
         ahead = self.admission.queued_ahead(ticket.choice) + ticket.num_sequences
         predicted = self.ttft.predict(len(request.prompt_token_ids), cached, ahead, self.admission.room())
         if predicted * 1000 > ticket.choice.traffic_class.ttft_ms:
             raise self.admission.shed(ticket, predicted)
+        return {sequence.index: route}
 
     @contextlib.asynccontextmanager
     async def admitted(self, num_sequences: int = 1):

@@ -60,6 +60,14 @@ def run(coroutine):
     return asyncio.run(asyncio.wait_for(coroutine, 10))
 
 
+async def one_running(traffic_class: str | None = None) -> tuple[Admission, object]:
+    """Admission under priority with room for one sequence, which one request holds."""
+    admission = Admission(max_queue=4, policy=SchedulingPolicy.PRIORITY, dispatch_limit=lambda: 1)
+    running = admission.hold(1, CLASSES.resolve(traffic_class, None))
+    await admission.wait_turn(running, 1)
+    return admission, running
+
+
 def test_the_queue_dispatches_by_class_when_the_workers_are_full():
     async def main():
         admission = Admission(max_queue=16, policy=SchedulingPolicy.PRIORITY, dispatch_limit=lambda: 1)
@@ -75,7 +83,7 @@ def test_the_queue_dispatches_by_class_when_the_workers_are_full():
                    for name, cls in [("batch-1", "batch"), ("batch-2", "batch"), ("default", "default")]}
         tasks = [asyncio.create_task(wait(name, ticket)) for name, ticket in tickets.items()]
         await asyncio.sleep(0.05)
-        assert order == [] and admission.counts.queued == {"batch": 2, "default": 1}
+        assert order == [] and (admission.queued("batch"), admission.queued("default")) == (2, 1)
         for ticket in [first, tickets["default"], tickets["batch-1"]]:
             admission.release(ticket)  # each end makes room for the next in line
             await asyncio.sleep(0.01)
@@ -145,14 +153,12 @@ def test_a_full_queue_sheds_the_newest_of_a_lower_sheddable_class_never_a_higher
 
 def test_waiting_past_the_deadline_is_a_504_that_releases_everything():
     async def main():
-        admission = Admission(max_queue=4, policy=SchedulingPolicy.PRIORITY, dispatch_limit=lambda: 1)
-        running = admission.hold(1, CLASSES.resolve(None, None))
-        await admission.wait_turn(running, 1)
+        admission, running = await one_running()
         late = admission.hold(1, CLASSES.resolve(None, None))
         with pytest.raises(APIError) as error:
             await admission.wait_turn(late, 0.05)
         assert error.value.status == 504
-        assert admission.counts.held == 1 and admission.counts.queued == {"default": 0}
+        assert admission.counts.held == 1 and admission.queued("default") == 0
         admission.release(running)
         admission.release(running)  # idempotent
         assert admission.counts.held == 0 and admission.counts.dispatched == 0
@@ -161,9 +167,7 @@ def test_waiting_past_the_deadline_is_a_504_that_releases_everything():
 
 def test_a_cancelled_waiter_leaves_the_queue():
     async def main():
-        admission = Admission(max_queue=4, policy=SchedulingPolicy.PRIORITY, dispatch_limit=lambda: 1)
-        running = admission.hold(1, CLASSES.resolve(None, None))
-        await admission.wait_turn(running, 1)
+        admission, running = await one_running()
         waiter = admission.hold(1, CLASSES.resolve(None, None))
         task = asyncio.create_task(admission.wait_turn(waiter, 5))
         await asyncio.sleep(0.01)

@@ -31,11 +31,11 @@ hopeless: {priority: 20, ttft_ms: 0.001, sheddable: true}
 @pytest.fixture(scope="module")
 def priority_server(smollm_dir, tmp_path_factory):
     """Colocated, one decode worker that runs one sequence at a time: the router dispatches
-    one and queues the rest by class."""
+    one and queues the rest by class, five sequences at most."""
     path = tmp_path_factory.mktemp("classes") / "classes.yaml"
     path.write_text(CLASSES)
     server = start_server(smollm_dir, "colocated", "--scheduling-policy", "priority", "--traffic-classes", str(path),
-                          "--max-num-seqs", "1")
+                          "--max-num-seqs", "1", "--max-queue", "5")
     yield server
     server.stop()
 
@@ -119,6 +119,42 @@ def test_a_higher_class_overtakes_queued_and_running_lower_ones(priority_server)
     assert preempted() - preempted_before >= 1
 
 
+def wait_for_metric(server, name: str, label: str, value: float, timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    while prometheus_sum(httpx.get(f"{server.base_url}/metrics").text, name, label) < value:
+        assert time.monotonic() < deadline, f"{name}{{{label}}} did not reach {value}"
+        time.sleep(0.02)
+
+
+def test_a_full_queue_sheds_the_newest_lower_class_request_for_a_higher_one(priority_server):
+    """--max-queue 5: one batch request runs, four wait at the router; an interactive request
+    arrives. The newest batch request is answered 429 (counted as displaced), the interactive
+    one is served, and the other four batch requests finish."""
+    statuses: dict[str, int] = {}
+
+    def send(name: str, traffic_class: str, max_tokens: int) -> None:
+        statuses[name] = completion(priority_server, {"prompt": f"[{name}] Count:", "max_tokens": max_tokens,
+                                                      "ignore_eos": True, "traffic_class": traffic_class}).status_code
+
+    label = 'reason="displaced",traffic_class="batch"'
+    shed_before = prometheus_sum(httpx.get(f"{priority_server.base_url}/metrics").text, "tandem:requests_shed_total",
+                                 label)
+    threads = [threading.Thread(target=send, args=("running", "batch", 150))]
+    threads[0].start()
+    wait_for_metric(priority_server, "tandem:num_requests_running", "", 1)
+    for i in range(4):
+        threads.append(threading.Thread(target=send, args=(f"batch-{i}", "batch", 4)))
+        threads[-1].start()
+        wait_for_metric(priority_server, "tandem:num_requests_queued", 'traffic_class="batch"', i + 1)
+    send("interactive", "interactive", 4)
+    for thread in threads:
+        thread.join(120)
+    assert statuses == {"running": 200, "batch-0": 200, "batch-1": 200, "batch-2": 200, "batch-3": 429,
+                        "interactive": 200}
+    assert prometheus_sum(httpx.get(f"{priority_server.base_url}/metrics").text, "tandem:requests_shed_total",
+                          label) - shed_before == 1
+
+
 def test_a_shed_request_computes_nothing_and_is_counted(priority_server):
     url = priority_server.base_url
     before_text = httpx.get(f"{url}/metrics").text
@@ -199,7 +235,8 @@ def test_bench_traffic_mix_reports_each_class_as_the_server_counted_it(priority_
     drawn = {name: sum(r.traffic_class == name for r in requests) for name in mix}
     assert all(drawn.values()), drawn  # 12 draws: every class present (seeded)
     before = httpx.get(f"{priority_server.base_url}/metrics").text
-    config = LoadConfig(f"{priority_server.base_url}/v1", MODEL, request_rate=20.0, seed=7)
+    # (at most 4 at once: the server holds 5 sequences, and a fifth of a lower class would be shed)
+    config = LoadConfig(f"{priority_server.base_url}/v1", MODEL, request_rate=20.0, seed=7, max_concurrency=4)
     results, duration = asyncio.run(run_load(config, requests))
     classes = summarize_classes(results, duration)
     after = httpx.get(f"{priority_server.base_url}/metrics").text
