@@ -3,7 +3,8 @@ started one after another on this machine, side by side.
 
 Contenders (``--contenders``, in this order): `tandem serve --mode disagg` (one prefill and
 one decode worker, one thread each), `tandem serve --mode colocated` (one worker, two threads;
-its defaults, or one contender per ``--colocated-budgets`` token cap), vLLM's OpenAI server
+its defaults, or one contender per ``--colocated-budgets`` token cap and per
+``--colocated-step-ms`` step target), vLLM's OpenAI server
 from the `make peers` venv (``--vllm-python``; pinned to the same cores with
 ``VLLM_CPU_OMP_THREADS_BIND``), and Hugging Face `transformers serve --continuous-batching`;
 all on the same weights (the HF directory tandem converted from the GGUF) and dtype. Every
@@ -357,8 +358,22 @@ def table(result: CompareResult, reference: str) -> str:
 CONTENDERS = ("disagg", "colocated", "vllm", "transformers")
 
 
+def colocated_variants(budgets: list[int], step_ms: list[str]) -> list[tuple[str, list[str], str]]:
+    """(name suffix, flags, description) of each colocated contender: one per token cap (chunked
+    by tokens only), one per step target (``--max-step-ms``, a number or ``off``); tandem's
+    defaults when neither is given."""
+    variants = [(f"-{budget}", ["--max-num-batched-tokens", str(budget), "--max-step-ms", "off"],
+                 f"chunked prefill {budget} tokens per step") for budget in budgets]
+    for target in step_ms:
+        if target != "off" and not float(target) > 0:
+            raise ValueError(f"--colocated-step-ms takes numbers > 0 or off, got {target!r}")
+        variants.append((f"-step{target}", ["--max-step-ms", target],
+                         "no step target (the token cap only)" if target == "off" else f"steps of at most {target} ms"))
+    return variants or [("", [], "its defaults")]
+
+
 def default_contenders(model: str, hf_dir: str, dtype: str, colocated_budgets: list[int], names: list[str],
-                       vllm_python: str | None = None) -> list[Contender]:
+                       vllm_python: str | None = None, colocated_step_ms: list[str] | None = None) -> list[Contender]:
     unknown = [n for n in names if n not in CONTENDERS]
     if unknown:
         raise ValueError(f"unknown contenders {unknown} (choose from {', '.join(CONTENDERS)})")
@@ -372,14 +387,10 @@ def default_contenders(model: str, hf_dir: str, dtype: str, colocated_budgets: l
                                          "--worker-threads", "1"],
                 "tandem serve --mode disagg: 1 prefill + 1 decode worker, 1 thread each"))
         elif name == "colocated":
-            for budget in colocated_budgets or [None]:
-                flags = ["--mode", "colocated", "--decode-workers", "1", "--worker-threads", "2"]
-                what = "its defaults"
-                if budget is not None:
-                    flags += ["--max-num-batched-tokens", str(budget), "--max-step-ms", "off"]
-                    what = f"chunked prefill {budget} tokens per step"
-                contenders.append(tandem_contender(f"colocated-{budget}" if budget else "colocated", model, dtype,
-                                                   flags, f"tandem serve --mode colocated: 1 worker, 2 threads, {what}"))
+            for suffix, flags, what in colocated_variants(colocated_budgets, colocated_step_ms or []):
+                flags = ["--mode", "colocated", "--decode-workers", "1", "--worker-threads", "2", *flags]
+                contenders.append(tandem_contender(f"colocated{suffix}", model, dtype, flags,
+                                                   f"tandem serve --mode colocated: 1 worker, 2 threads, {what}"))
         elif name == "vllm":
             contenders.append(vllm_contender(vllm_python, hf_dir, dtype, threads=2))
         else:
@@ -418,6 +429,8 @@ def add_compare_args(compare, default_model: str) -> None:
     compare.add_argument("--colocated-budgets", default="",
                          help="comma-separated token caps: one colocated contender each, chunked by tokens only "
                               "(default: one colocated contender with tandem's defaults)")
+    compare.add_argument("--colocated-step-ms", default="",
+                         help="comma-separated --max-step-ms values (or off): one colocated contender each")
     compare.add_argument("--no-transformers", action="store_true", help="skip transformers serve")
     compare.add_argument("--traffic-mix", default=None, metavar="CLASS:SHARE,...",
                          help="traffic classes instead of a sweep: a baseline run of --traffic-baseline's requests "
@@ -449,7 +462,8 @@ def run_compare(args) -> int:
         from bench.traffic_compare import run_traffic_compare
 
         return run_traffic_compare(args, hf_dir, names)
-    contenders = default_contenders(args.model, hf_dir, args.dtype, budgets, names, args.vllm_python)
+    step_ms = [t.strip() for t in args.colocated_step_ms.split(",") if t.strip()]
+    contenders = default_contenders(args.model, hf_dir, args.dtype, budgets, names, args.vllm_python, step_ms)
     calibration = make_dataset(args.dataset, 3, args.seed + 1000, spec)  # prompts of their own, same shape
     warm_up = make_dataset(args.dataset, args.warm_up, args.seed + 2000, spec)
     search = None

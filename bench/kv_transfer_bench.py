@@ -47,7 +47,7 @@ class KVTransferBenchResult:
     overlap: OverlapResult | None = None
 
 
-def _kv(size_mib: int) -> torch.Tensor:
+def kv_of_size(size_mib: int) -> torch.Tensor:
     tokens = size_mib * (1 << 20) // (TOKEN_SHAPE[0] * TOKEN_SHAPE[1] * 4)
     return torch.randn(tokens, *TOKEN_SHAPE)
 
@@ -84,7 +84,7 @@ def _bare_grpc(kv: torch.Tensor) -> float:
     return elapsed
 
 
-class _CountingInbox(EngineInbox):
+class CountingInbox(EngineInbox):
     """Receives like the decode engine's inbox but keeps only a byte count."""
 
     def __init__(self) -> None:
@@ -97,18 +97,19 @@ class _CountingInbox(EngineInbox):
             self.num_bytes += kv.numel() * kv.element_size()
 
 
-def _serve_kv(inbox: EngineInbox, dtype: torch.dtype, token_shape: tuple[int, int]) -> WorkerServer:
+def serve_kv(inbox: EngineInbox, dtype: torch.dtype, token_shape: tuple[int, int], host: str = "127.0.0.1",
+             secret: str = SECRET) -> WorkerServer:
     """What a decode worker serves KV on (its grpc.aio server) with only the KV receiver."""
     receiver = GrpcKVReceiver(inbox, dtype, token_shape, lambda: server.address)
-    server = WorkerServer(ServerConfig("127.0.0.1", 0, SECRET),
+    server = WorkerServer(ServerConfig(host, 0, secret),
                           lambda grpc_server: grpc_server.add_generic_rpc_handlers((receiver.handler(),)))
     server.start()
     return server
 
 
 def _grpc_transport(kv: torch.Tensor) -> float:
-    inbox = _CountingInbox()
-    server = _serve_kv(inbox, torch.float32, TOKEN_SHAPE)
+    inbox = CountingInbox()
+    server = serve_kv(inbox, torch.float32, TOKEN_SHAPE)
     sink = GrpcKVSink(server.address, SECRET, timeout_s=600)
     start = time.perf_counter()
     sink.send_layer("bench", 0, 0, kv)
@@ -120,7 +121,7 @@ def _grpc_transport(kv: torch.Tensor) -> float:
 
 
 def _gloo_transport(kv: torch.Tensor) -> float:
-    inbox = _CountingInbox()
+    inbox = CountingInbox()
     receiver = TorchDistKVReceiver(inbox, SECRET, torch.float32, TOKEN_SHAPE, timeout_s=600)
     sink = TorchDistKVSink(receiver.address, SECRET, timeout_s=600)
     time.sleep(0.2)  # let the pair connect: we time the transfer, not the rendezvous
@@ -136,7 +137,7 @@ def _gloo_transport(kv: torch.Tensor) -> float:
 def throughput(sizes_mib: list[int], repeats: int = 2) -> list[ThroughputRow]:
     rows = []
     for size in sizes_mib:
-        kv = _kv(size)
+        kv = kv_of_size(size)
         mb = kv.numel() * 4 / 1e6
         best = {name: min(fn(kv) for _ in range(repeats))
                 for name, fn in (("memcpy", _memcpy), ("bare", _bare_grpc), ("grpc", _grpc_transport), ("gloo", _gloo_transport))}
@@ -170,7 +171,7 @@ def overlap(model: str, prompt_tokens: int, threads: int) -> OverlapResult:
     prefill, decode = LLM(**kwargs).engine_core, LLM(**kwargs).engine_core
     inbox = EngineInbox()
     cache = decode.kv_cache.layers[0]
-    server = _serve_kv(inbox, cache.dtype, tuple(cache.shape[2:]))
+    server = serve_kv(inbox, cache.dtype, tuple(cache.shape[2:]))
     ids = torch.randint(100, 40000, (prompt_tokens,), generator=torch.Generator().manual_seed(0)).tolist()
     params = SamplingParams(temperature=0.0, max_tokens=1)
     timings = {}
@@ -218,6 +219,11 @@ def register(commands, default_model: str) -> None:
     transfer.add_argument("--ttft-rounds", type=int, default=3,
                           help="rounds of disaggregated vs colocated time to first token (0 skips)")
     transfer.add_argument("--threads", type=int, default=2)
+    transfer.add_argument("--link", action="store_true",
+                          help="also between this host and a network namespace behind a veth link (root; "
+                               "bench/kv_link_bench.py), next to two processes on loopback")
+    transfer.add_argument("--link-rate", default=None, metavar="RATE",
+                          help="with --link: the link again, shaped to RATE with tc tbf (e.g. 1gbit)")
     transfer.set_defaults(func=run_cli)
 
 
@@ -228,6 +234,11 @@ def run_cli(args) -> int:
     if args.prompt_tokens:
         result.overlap = overlap(args.model, args.prompt_tokens, args.threads)
     print(render(result))
+    if args.link:
+        from bench.kv_link_bench import link_throughput, render_link
+
+        print("\nBetween two processes: on loopback, and across the link to a second node (network namespace)")
+        print(render_link(link_throughput(list(comma_ints(args.sizes_mib)), rate=args.link_rate)))
     if args.prompt_tokens and args.ttft_rounds:
         from bench.ttft_bench import render_ttft, ttft
 

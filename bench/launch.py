@@ -135,13 +135,15 @@ class RayHead:
     """A Ray cluster of its own (``ray start --head``, token auth) for a `tandem serve
     --ray-address` to join, as on a real cluster, so that its workers can outlive it.
     ``stop`` kills exactly this head's processes (``ray stop`` would stop every Ray on the
-    machine)."""
+    machine). ``node_ip``: the address the head serves on and its node is known by (another
+    node's processes must reach it there: bench/netns.py's link address)."""
 
-    def __init__(self, resources: dict[str, float], num_cpus: int | None = None) -> None:
+    def __init__(self, resources: dict[str, float], num_cpus: int | None = None, node_ip: str = "127.0.0.1") -> None:
         import secrets
         import tempfile
 
         self.resources, self.num_cpus = resources, num_cpus or os.cpu_count()
+        self.node_ip = node_ip
         self.port = free_port()
         self.temp_dir = tempfile.mkdtemp(prefix="tandem-ray-")
         # what a process joining it needs: the token, and worker processes at niceness 0 (Ray's
@@ -151,21 +153,27 @@ class RayHead:
 
     @property
     def address(self) -> str:
-        return f"127.0.0.1:{self.port}"
+        return f"{self.node_ip}:{self.port}"
+
+    def _start_command(self) -> list[str]:
+        return ["--head", "--port", str(self.port), "--include-dashboard", "false",
+                "--ray-client-server-port", str(free_port()), "--dashboard-agent-listen-port", str(free_port())]
 
     def start(self, timeout_s: float = 120.0) -> str:
         import json
 
         ray = os.path.join(os.path.dirname(sys.executable), "ray")
-        command = [ray, "start", "--head", "--node-ip-address", "127.0.0.1", "--port", str(self.port),
+        command = [ray, "start", *self._start_command(), "--node-ip-address", self.node_ip,
                    "--num-cpus", str(self.num_cpus), "--resources", json.dumps(self.resources),
-                   "--include-dashboard", "false", "--disable-usage-stats", "--temp-dir", self.temp_dir,
-                   "--ray-client-server-port", str(free_port()), "--dashboard-agent-listen-port", str(free_port())]
-        done = subprocess.run(command, env=self.env, capture_output=True, text=True, timeout=timeout_s)
+                   "--disable-usage-stats", "--temp-dir", self.temp_dir]
+        done = subprocess.run(self._wrap(command), env=self.env, capture_output=True, text=True, timeout=timeout_s)
         if done.returncode != 0:
             self.stop()
             raise RuntimeError(f"ray start exited with {done.returncode}:\n{done.stderr[-4000:]}")
         return self.address
+
+    def _wrap(self, command: list[str]) -> list[str]:
+        return command
 
     def processes(self) -> list:
         """This head's processes (they name its temp dir) and all their children."""
@@ -213,3 +221,51 @@ class RayHead:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+class RayNode(RayHead):
+    """A worker node joining ``head`` (``ray start --address``, the head's token), offering
+    ``resources`` (the ``prefill`` / ``decode`` custom resources place workers on it, as the
+    Helm chart's worker pods do). ``wrap``: how its command runs (bench/netns.py's
+    ``NamespaceLink.command``: on the far side of a link, with ``node_ip`` its address there)."""
+
+    def __init__(self, head: RayHead, resources: dict[str, float], num_cpus: int, node_ip: str,
+                 wrap=None) -> None:
+        super().__init__(resources, num_cpus, node_ip)
+        self.head = head
+        self.port = head.port
+        self.join_env, self.env = head.join_env, head.env
+        self._wrapper = wrap
+
+    @property
+    def address(self) -> str:
+        return self.head.address
+
+    def _start_command(self) -> list[str]:
+        return ["--address", self.head.address]
+
+    def _wrap(self, command: list[str]) -> list[str]:
+        return self._wrapper(command) if self._wrapper is not None else command
+
+    def raylet_alive(self) -> bool:
+        import psutil
+
+        for process in self.processes():
+            try:
+                if os.path.basename((process.cmdline() or [""])[0]) == "raylet":
+                    return True
+            except psutil.NoSuchProcess:
+                continue
+        return False
+
+    def restart(self, timeout_s: float = 60.0) -> str:
+        """Start the node again, as Kubernetes restarts a pod whose raylet ended: after its
+        raylet exits (a raylet the head declared dead exits once it hears so), or after
+        ``timeout_s``, when it is killed. Says which."""
+        deadline = time.monotonic() + timeout_s
+        while self.raylet_alive() and time.monotonic() < deadline:
+            time.sleep(0.5)
+        how = "its raylet was killed" if self.raylet_alive() else "its raylet had exited"
+        self.stop()
+        self.start()
+        return how

@@ -10,7 +10,8 @@ within seconds (no model load), and serves; one started with another configurati
 them and starts its own.
 
 Where no ``--redis-url`` is given, the private Redis runs under a detached actor of the same
-namespace (``prefix-index``) on the router's node, so that it survives the router too.
+namespace (``prefix-index``) on the router's node, so that it survives the router too; it
+listens on that node's Ray address, which workers on every node reach.
 
 A worker that no router has called for ``--orphan-timeout`` drains and ends itself
 (cluster/actors.py); the private Redis ends once it has had no client for as long. A drained
@@ -141,13 +142,15 @@ def stop_named(names: list[str], timeout_s: float = 10.0) -> None:
 
 class IndexActor:
     """The private Redis of a joined cluster, as a detached actor on the router's node (its
-    server dies with this actor's process). Ends itself once no client has been connected for
-    ``orphan_timeout_s`` (the router's index reader and every worker's publisher are clients)."""
+    server dies with this actor's process). It listens on that node's Ray address only, where
+    workers on other nodes reach it (with its password). Ends itself once no client has been
+    connected for ``orphan_timeout_s`` (the router's index reader and every worker's publisher
+    are clients)."""
 
     def __init__(self, orphan_timeout_s: float | None) -> None:
         from cluster.redis_server import PrivateRedis
 
-        self.redis = PrivateRedis(fate_share=True)
+        self.redis = PrivateRedis(fate_share=True, bind=(ray.util.get_node_ip_address(),))
         self._url = self.redis.start()
         if orphan_timeout_s:
             threading.Thread(target=self._end_when_unused, args=(orphan_timeout_s,), daemon=True).start()

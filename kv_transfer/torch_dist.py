@@ -21,6 +21,7 @@ channels, and a test runs it with the GPU's checksum.
 from __future__ import annotations
 
 import hmac
+import socket
 import threading
 import time
 import warnings
@@ -102,13 +103,33 @@ def _wait(work, nccl: bool, deadline: float, what: str) -> None:
         time.sleep(0.0005)
 
 
-class _Pair:
-    """One end of a pair: the control group (gloo) and the payload group (gloo or NCCL)."""
+def local_address_to(host: str) -> str:
+    """The address this machine sends from to reach ``host`` (the kernel's route; no packet
+    is sent)."""
+    family, _, _, _, target = socket.getaddrinfo(host, 9, type=socket.SOCK_DGRAM)[0]
+    with socket.socket(family, socket.SOCK_DGRAM) as probe:
+        probe.connect(target)
+        return probe.getsockname()[0]
 
-    def __init__(self, store, rank: int, timeout: timedelta, own_device: torch.device):
+
+def _gloo_group(store, rank: int, timeout: timedelta, host: str) -> dist.ProcessGroupGloo:
+    """A two-rank gloo group whose sockets are on ``host``. Gloo's own default is the address
+    the machine's hostname resolves to, which another node (a network namespace, a pod) may
+    not reach, or which may not be this one's at all."""
+    options = dist.ProcessGroupGloo._Options()
+    options._timeout = timeout
+    options._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
+    return dist.ProcessGroupGloo(store, rank, 2, options)
+
+
+class _Pair:
+    """One end of a pair: the control group (gloo) and the payload group (gloo or NCCL).
+    ``host``: this end's address, the one its peer reaches."""
+
+    def __init__(self, store, rank: int, timeout: timedelta, own_device: torch.device, host: str):
         self.rank, self.peer = rank, 1 - rank
         self.timeout_s = timeout.total_seconds()
-        self.control = dist.ProcessGroupGloo(dist.PrefixStore("control", store), rank, 2, timeout)
+        self.control = _gloo_group(dist.PrefixStore("control", store), rank, timeout, host)
         store.set(f"device{rank}", own_device.type)
         peer_device = store.get(f"device{self.peer}").decode()
         sender, receiver = (own_device.type, peer_device) if rank == _SENDER else (peer_device, own_device.type)
@@ -188,7 +209,7 @@ class TorchDistKVReceiver(KVReceiver):
 
     def _run(self) -> None:
         try:
-            pair = _Pair(self._store, _RECEIVER, self._timeout, self._device)
+            pair = _Pair(self._store, _RECEIVER, self._timeout, self._device, self.address[0])
             self.stats.backend = pair.backend
             secret = pair.recv_frame(4096)
             if secret is None or not hmac.compare_digest(secret.numpy().tobytes(), self._secret):
@@ -258,7 +279,7 @@ class TorchDistKVSink(QueuedKVSink):
     def _run(self) -> None:
         try:
             store = dist.TCPStore(self._address[0], self._address[1], 2, False, self._timeout)
-            pair = _Pair(store, _SENDER, self._timeout, self._device)
+            pair = _Pair(store, _SENDER, self._timeout, self._device, local_address_to(self._address[0]))
             self.backend = pair.backend
             pair.send_frame(_bytes_tensor(self._secret.encode()))
             while (item := self.next_item()) is not None:
@@ -268,7 +289,7 @@ class TorchDistKVSink(QueuedKVSink):
                     case ControlItem(message):
                         pair.send_frame(_bytes_tensor(frame(message)))
             pair.send_frame(torch.empty(0, dtype=torch.uint8))
-        except RuntimeError as exc:
+        except (RuntimeError, OSError) as exc:  # timeouts, dead peers, no route to the receiver
             self.error = str(exc)
         finally:
             self.drop_queued()

@@ -168,7 +168,10 @@ class Dispatcher:
             raise api_error(exc) from None
         moves.retried = True
         self._on_decision("retry")
-        moves.tried.add(failed.address)  # only that one: the other worker of the pair may serve the next attempt
+        if failed.healthy:  # only that one sits the next attempt out: the other worker of the pair may serve it
+            moves.tried.add(failed.address)
+        # one the call could not reach is out of routing until its Stats answer again: then it may
+        # serve the retry (a partition that healed), as may its restart at a new address
 
     async def _await_worker(self, exclude: frozenset[str], route: RouteRequest, until: float) -> Assignment | None:
         """A pair once one serves (a restarted incarnation has a new address), or None at ``until``."""

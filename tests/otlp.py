@@ -80,9 +80,10 @@ class OTLPReceiver:
 
 
 class HttpOTLPReceiver(OTLPReceiver):
-    """``url`` is the traces endpoint (http://127.0.0.1:PORT/v1/traces)."""
+    """``url`` is the traces endpoint (http://HOST:PORT/v1/traces); ``host``: where it listens
+    (another node's link address, for workers there to export to)."""
 
-    def __init__(self) -> None:
+    def __init__(self, host: str = "127.0.0.1") -> None:
         super().__init__()
         receiver = self
 
@@ -106,8 +107,8 @@ class HttpOTLPReceiver(OTLPReceiver):
             def log_message(self, *args):
                 pass
 
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self._server.server_address[1]}/v1/traces"
+        self._server = ThreadingHTTPServer((host, 0), Handler)
+        self.url = f"http://{host}:{self._server.server_address[1]}/v1/traces"
         threading.Thread(target=self._server.serve_forever, daemon=True).start()
 
     def stop(self) -> None:

@@ -326,6 +326,11 @@ def test_contenders_are_chosen_by_name_and_vllm_runs_as_a_module(tmp_path):
     budgets = default_contenders("m", "/weights", "float32", [256, 512], ["colocated"])
     assert [c.name for c in budgets] == ["colocated-256", "colocated-512"]
     assert budgets[0].command[-4:] == ["--max-num-batched-tokens", "256", "--max-step-ms", "off"]
+    targets = default_contenders("m", "/weights", "float32", [], ["colocated"], colocated_step_ms=["150", "off"])
+    assert [c.name for c in targets] == ["colocated-step150", "colocated-stepoff"]
+    assert targets[0].command[-2:] == ["--max-step-ms", "150"] and targets[1].command[-2:] == ["--max-step-ms", "off"]
+    with pytest.raises(ValueError, match="--colocated-step-ms"):
+        default_contenders("m", "/weights", "float32", [], ["colocated"], colocated_step_ms=["0"])
     with pytest.raises(ValueError, match="--vllm-python"):
         default_contenders("m", "/weights", "float32", [], ["vllm"])
     with pytest.raises(ValueError, match="unknown contenders"):

@@ -101,6 +101,15 @@ def test_payload_backend_and_checksum():
     assert len({payload_checksum(data), payload_checksum(flipped), payload_checksum(swapped)}) == 3
 
 
+def test_each_end_binds_gloo_where_its_peer_reaches_it():
+    """A sender's gloo sockets are on its route to the receiver (not on what the hostname
+    resolves to, which another node may not reach); tests/multinode runs it across a link."""
+    from kv_transfer.torch_dist import local_address_to
+
+    assert local_address_to("127.0.0.1") == "127.0.0.1"
+    assert local_address_to("localhost") in ("127.0.0.1", "::1")
+
+
 def _transfer_and_compare(prefill, decode, llm, tag):
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     inbox, receiver = receiver_for(decode)
