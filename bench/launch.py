@@ -175,13 +175,19 @@ class RayHead:
     def _wrap(self, command: list[str]) -> list[str]:
         return command
 
+    def _owns(self, argv: list[str]) -> bool:
+        """A process of this head's: it names the head's temp dir, or (Ray's client server, which
+        does not, and outlives the head otherwise) the head's GCS port in its ``--address``."""
+        return any(self.temp_dir in part or (part.startswith("--address=") and part.endswith(f":{self.port}"))
+                   for part in argv)
+
     def processes(self) -> list:
-        """This head's processes (they name its temp dir) and all their children."""
+        """This node's processes and all their children."""
         import psutil
 
         found: dict[int, psutil.Process] = {}
         for process in psutil.process_iter(["cmdline"]):
-            if any(self.temp_dir in part for part in process.info["cmdline"] or ()):
+            if self._owns(process.info["cmdline"] or ()):
                 found[process.pid] = process
                 try:
                     found.update({child.pid: child for child in process.children(recursive=True)})
@@ -243,6 +249,9 @@ class RayNode(RayHead):
 
     def _start_command(self) -> list[str]:
         return ["--address", self.head.address]
+
+    def _owns(self, argv: list[str]) -> bool:
+        return any(self.temp_dir in part for part in argv)
 
     def _wrap(self, command: list[str]) -> list[str]:
         return self._wrapper(command) if self._wrapper is not None else command
