@@ -1,6 +1,8 @@
 """`tandem bench kv-transfer`: the KV transports on loopback against, in the same run, a
 bare gRPC byte stream (the ceiling for gRPC) and a memory copy of the same bytes; and how much
-of a prompt's transfer hides behind its prefill (layer-wise sends vs send-after-prefill)."""
+of a prompt's transfer hides behind its prefill (layer-wise sends vs send-after-prefill). With
+``--link``, the transports between two processes again, on loopback and across a link to a
+second node (bench/kv_link_bench.py)."""
 
 from __future__ import annotations
 
