@@ -114,6 +114,19 @@ class NamespaceLink:
         """Bring the link up, or take it down: the host end down leaves both ends without
         carrier, and every packet between them is dropped (no reset reaches either side)."""
         _ip("link", "set", self.host_if, "up" if up else "down")
+        if up:  # carrier comes back a moment later: until then a connect fails at once
+            self._wait_carrier()
+
+    def _wait_carrier(self, timeout_s: float = 10.0) -> None:
+        ends = ((self.host_if, []), (self.ns_if, ["ip", "netns", "exec", self.name]))
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            states = [subprocess.run([*prefix, "cat", f"/sys/class/net/{device}/operstate"], capture_output=True,
+                                     text=True, timeout=10).stdout.strip() for device, prefix in ends]
+            if states == ["up", "up"]:
+                return
+            time.sleep(0.05)
+        raise NamespaceUnavailable(f"the link {self.host_if} did not come up within {timeout_s:g} s")
 
     def limit_rate(self, rate: str | None, burst: str = "1mb", latency: str = "50ms") -> None:
         """Shape both directions of the link to ``rate`` (tc's units, e.g. ``1gbit``) with a
