@@ -113,7 +113,7 @@ def measure(receiver: ReceiverProcess, path: str, sizes_mib: list[int], repeats:
     return rows
 
 
-def link_throughput(sizes_mib: list[int], repeats: int = 2, rate: str | None = None) -> list[LinkRow]:
+def link_throughput(sizes_mib: list[int], repeats: int = 3, rate: str | None = None) -> list[LinkRow]:
     """Loopback, then the link (and the link shaped to ``rate``), the same sizes, in one run."""
     from bench.netns import NamespaceLink
 
@@ -162,7 +162,10 @@ def serve(host: str) -> int:
             pair_inbox = CountingInbox()
             pair = TorchDistKVReceiver(pair_inbox, SECRET, torch.float32, TOKEN_SHAPE, host=host, timeout_s=600)
             answer(address=list(pair.address))
-        elif command["op"] == "gloo_wait" and pair is not None:
+        elif command["op"] == "gloo_wait":
+            if pair is None:
+                answer(bytes=0, error="no gloo pair was opened")
+                continue
             stats = pair.join(600)
             answer(bytes=pair_inbox.num_bytes, error=stats.error)
         else:

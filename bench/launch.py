@@ -138,12 +138,14 @@ class RayHead:
     machine). ``node_ip``: the address the head serves on and its node is known by (another
     node's processes must reach it there: bench/netns.py's link address)."""
 
-    def __init__(self, resources: dict[str, float], num_cpus: int | None = None, node_ip: str = "127.0.0.1") -> None:
+    def __init__(self, resources: dict[str, float], num_cpus: int | None = None, node_ip: str = "127.0.0.1",
+                 wrap=None) -> None:
         import secrets
         import tempfile
 
         self.resources, self.num_cpus = resources, num_cpus or os.cpu_count()
         self.node_ip = node_ip
+        self.wrap = wrap or (lambda command: command)  # how its `ray start` runs (RayNode: in a namespace)
         self.port = free_port()
         self.temp_dir = tempfile.mkdtemp(prefix="tandem-ray-")
         # what a process joining it needs: the token, and worker processes at niceness 0 (Ray's
@@ -166,14 +168,11 @@ class RayHead:
         command = [ray, "start", *self._start_command(), "--node-ip-address", self.node_ip,
                    "--num-cpus", str(self.num_cpus), "--resources", json.dumps(self.resources),
                    "--disable-usage-stats", "--temp-dir", self.temp_dir]
-        done = subprocess.run(self._wrap(command), env=self.env, capture_output=True, text=True, timeout=timeout_s)
+        done = subprocess.run(self.wrap(command), env=self.env, capture_output=True, text=True, timeout=timeout_s)
         if done.returncode != 0:
             self.stop()
             raise RuntimeError(f"ray start exited with {done.returncode}:\n{done.stderr[-4000:]}")
         return self.address
-
-    def _wrap(self, command: list[str]) -> list[str]:
-        return command
 
     def _owns(self, argv: list[str]) -> bool:
         """A process of this head's: it names the head's temp dir, or (Ray's client server, which
@@ -237,11 +236,10 @@ class RayNode(RayHead):
 
     def __init__(self, head: RayHead, resources: dict[str, float], num_cpus: int, node_ip: str,
                  wrap=None) -> None:
-        super().__init__(resources, num_cpus, node_ip)
+        super().__init__(resources, num_cpus, node_ip, wrap)
         self.head = head
         self.port = head.port
         self.join_env, self.env = head.join_env, head.env
-        self._wrapper = wrap
 
     @property
     def address(self) -> str:
@@ -252,9 +250,6 @@ class RayNode(RayHead):
 
     def _owns(self, argv: list[str]) -> bool:
         return any(self.temp_dir in part for part in argv)
-
-    def _wrap(self, command: list[str]) -> list[str]:
-        return self._wrapper(command) if self._wrapper is not None else command
 
     def raylet_alive(self) -> bool:
         import psutil
