@@ -15,3 +15,9 @@ def cache_dir() -> Path:
 def native_kernels_disabled() -> bool:
     """``TANDEM_DISABLE_NATIVE_KERNELS=1`` keeps the CPU path on plain torch ops."""
     return os.environ.get("TANDEM_DISABLE_NATIVE_KERNELS") == "1"
+
+
+def kernel_build_timeout_s() -> float:
+    """How long a process waits for another to finish building or loading a native kernel
+    (``TANDEM_KERNEL_BUILD_TIMEOUT_S``, default 900) before it uses the torch ops instead."""
+    return float(os.environ.get("TANDEM_KERNEL_BUILD_TIMEOUT_S", "900"))

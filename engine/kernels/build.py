@@ -1,11 +1,23 @@
 """Compile a native CPU kernel on first use (torch's C++ extension builder + ninja) into the
 tandem cache, keyed by this CPU's instruction-set flags; later processes load the cached
-build. A failed build is reported once and the caller keeps its torch fallback."""
+build. A failed build is reported once and the caller keeps its torch fallback.
+
+Processes that share the cache (workers of one node, pods on one volume) take turns through
+an flock, which the kernel releases when its holder dies. torch's own guard is a ``lock`` file
+that a process killed while building or loading leaves behind, and every later process would
+wait on it forever; under the flock no live tandem process can own such a file, so it is
+removed. The wait for the flock has a deadline (``TANDEM_KERNEL_BUILD_TIMEOUT_S``), after
+which the torch ops are used. A library is loaded again only if a stamp written after it last
+loaded names it (size and mtime); otherwise the directory is built afresh."""
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
+import shutil
 import sys
+import time
 from pathlib import Path
 
 from engine import envs
@@ -22,6 +34,12 @@ def cpu_flags() -> set[str]:
     return set(line.split(":", 1)[-1].split())
 
 
+def build_directory(name: str) -> Path:
+    """Where ``name`` is built for this CPU (its instruction-set flags are part of the name)."""
+    key = hashlib.blake2b(" ".join(sorted(cpu_flags())).encode(), digest_size=6).hexdigest()
+    return envs.cache_dir() / "torch_extensions" / f"{name}-{key}"
+
+
 def build(name: str, source: Path, extra_cflags: list[str]):
     """The compiled module, or None: TANDEM_DISABLE_NATIVE_KERNELS=1 (checked on every call,
     so it can change within a process), or the build failed (remembered)."""
@@ -31,14 +49,78 @@ def build(name: str, source: Path, extra_cflags: list[str]):
         return _LOADED[name]
     from torch.utils.cpp_extension import load as load_extension
 
-    key = hashlib.blake2b(" ".join(sorted(cpu_flags())).encode(), digest_size=6).hexdigest()
-    build_dir = envs.cache_dir() / "torch_extensions" / f"{name}-{key}"
+    build_dir = build_directory(name)
     build_dir.mkdir(parents=True, exist_ok=True)
     module = None
     try:
-        module = load_extension(name=name, sources=[str(source)], extra_cflags=extra_cflags,
-                                build_directory=str(build_dir), verbose=False)
-    except Exception as exc:  # no compiler or ninja: keep torch's kernels, and say so
+        with build_lock(build_dir, envs.kernel_build_timeout_s()):
+            library, stamp = build_dir / f"{name}.so", build_dir / "tandem.ok"
+            if library.exists() and (not stamp.exists() or stamp.read_text() != _identity(library)):
+                # Not known to have loaded: a linker killed mid-write leaves a library that ninja
+                # takes as current and whose loading crashes the process (SIGBUS), not raises.
+                _empty(build_dir)
+            try:
+                module = load_extension(name=name, sources=[str(source)], extra_cflags=extra_cflags,
+                                        build_directory=str(build_dir), verbose=False)
+            except Exception:
+                # A build cut off part way (a truncated object or library that ninja takes as
+                # current) fails the same way every time: start the directory afresh, once.
+                _empty(build_dir)
+                _forget(name)
+                module = load_extension(name=name, sources=[str(source)], extra_cflags=extra_cflags,
+                                        build_directory=str(build_dir), verbose=False)
+            partial = stamp.with_suffix(".partial")
+            partial.write_text(_identity(library))
+            partial.replace(stamp)
+    except Exception as exc:  # no compiler or ninja, or the wait ran out: keep torch's kernels, and say so
         print(f"[tandem] native kernel {name} unavailable ({exc}); using torch ops", file=sys.stderr)
     _LOADED[name] = module
     return module
+
+
+@contextlib.contextmanager
+def build_lock(build_dir: Path, timeout_s: float):
+    """Hold ``build_dir``'s flock (TimeoutError after ``timeout_s``) and clear a ``lock`` file
+    that a dead process left for torch's builder."""
+    with open(build_dir / "tandem.flock", "a+") as handle:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    raise TimeoutError(f"another process held {build_dir} for {timeout_s:.0f} s") from None
+                time.sleep(0.1)
+        try:
+            stale = build_dir / "lock"
+            if stale.exists():
+                print(f"[tandem] removing {stale}, left by a process that died while building", file=sys.stderr)
+                stale.unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _identity(library: Path) -> str:
+    info = library.stat()
+    return f"{info.st_size} {info.st_mtime_ns}"
+
+
+def _forget(name: str) -> None:
+    """torch remembers in-process which extensions it built and would not build this one again."""
+    from torch.utils import cpp_extension
+
+    entries = getattr(getattr(cpp_extension, "JIT_EXTENSION_VERSIONER", None), "entries", None)
+    if isinstance(entries, dict):
+        entries.pop(name, None)
+
+
+def _empty(build_dir: Path) -> None:
+    for entry in build_dir.iterdir():
+        if entry.name == "tandem.flock":  # held by this process
+            continue
+        if entry.is_dir():
+            shutil.rmtree(entry, ignore_errors=True)
+        else:
+            entry.unlink(missing_ok=True)

@@ -1,0 +1,120 @@
+"""The native-kernel cache survives processes that die in it: a ``lock`` file that torch's
+builder leaves behind, a library cut off mid-write, and a holder killed while it builds; a
+live holder is waited for only until the deadline. Each check loads a small pybind11 module
+in a fresh process (as a new worker would) from a private cache directory."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from engine.kernels import build as kernel_build
+
+NAME = "tandem_test_answer"
+SOURCE = """
+#include <pybind11/pybind11.h>
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("answer", []() { return 42; }); }
+"""
+LOAD = textwrap.dedent(f"""
+    import sys
+    from pathlib import Path
+    from engine.kernels.build import build
+    module = build({NAME!r}, Path(sys.argv[1]), ["-O0"])
+    print("answer", None if module is None else module.answer())
+""")
+
+
+def load_in_new_process(cache: Path, source: Path, timeout_s: float = 240, **env) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", LOAD, str(source)], capture_output=True, text=True,
+                          timeout=timeout_s, env={**os.environ, "TANDEM_CACHE_DIR": str(cache), **env})
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """(cache, source, build directory) after one good build."""
+    root = tmp_path_factory.mktemp("kernel-cache")
+    source = root / "answer.cpp"
+    source.write_text(SOURCE)
+    cache = root / "cache"
+    done = load_in_new_process(cache, source)
+    assert "answer 42" in done.stdout, done.stderr
+    (build_dir,) = (cache / "torch_extensions").iterdir()
+    return cache, source, build_dir
+
+
+def test_a_lock_left_by_a_dead_builder_is_removed(built):
+    cache, source, build_dir = built
+    (build_dir / "lock").touch()  # what torch's FileBaton leaves when its process is killed
+    try:
+        done = load_in_new_process(cache, source, timeout_s=120)  # torch alone waits forever
+    finally:
+        leftover = (build_dir / "lock").exists()
+        (build_dir / "lock").unlink(missing_ok=True)
+    assert "answer 42" in done.stdout, done.stderr
+    assert "left by a process that died" in done.stderr
+    assert not leftover
+
+
+def test_a_library_cut_off_mid_write_is_rebuilt_not_loaded(built):
+    cache, source, build_dir = built
+    library = build_dir / f"{NAME}.so"
+    head = library.read_bytes()[:4096]
+    library.unlink()
+    library.write_bytes(head)  # newer than its object file: ninja takes it as current
+    done = load_in_new_process(cache, source)
+    assert done.returncode == 0, (done.returncode, done.stderr)  # loading it as it was: SIGBUS
+    assert "answer 42" in done.stdout, done.stderr
+    assert library.stat().st_size > len(head)
+
+
+def test_a_killed_holder_releases_the_build_lock(tmp_path):
+    holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import time
+        from pathlib import Path
+        from engine.kernels.build import build_lock
+        with build_lock(Path({str(tmp_path)!r}), 5):
+            (Path({str(tmp_path)!r}) / "lock").touch()
+            print("holding", flush=True)
+            time.sleep(600)
+    """)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "holding"
+        with pytest.raises(TimeoutError):
+            with kernel_build.build_lock(tmp_path, 0.5):
+                pass
+        holder.send_signal(signal.SIGKILL)
+        holder.wait(timeout=10)
+        started = time.monotonic()
+        with kernel_build.build_lock(tmp_path, 10):
+            waited = time.monotonic() - started
+            assert not (tmp_path / "lock").exists()
+        assert waited < 5
+    finally:
+        holder.kill()
+        holder.wait(timeout=10)
+
+
+def test_the_wait_for_a_live_holder_has_a_deadline(tmp_path, built, monkeypatch):
+    _, source, _ = built
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("TANDEM_CACHE_DIR", str(cache))
+    key_dir = kernel_build.build_directory(NAME)
+    key_dir.mkdir(parents=True)
+    with open(key_dir / "tandem.flock", "a+") as handle:  # another process building, as far as flock tells
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        started = time.monotonic()
+        done = load_in_new_process(cache, source, timeout_s=60, TANDEM_KERNEL_BUILD_TIMEOUT_S="2")
+        took = time.monotonic() - started
+    assert "answer None" in done.stdout, done.stderr
+    assert "unavailable" in done.stderr and "held" in done.stderr
+    assert took < 30
+    assert not (key_dir / f"{NAME}.so").exists()  # it did not build behind the holder's back
+
