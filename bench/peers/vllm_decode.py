@@ -7,7 +7,9 @@ prints ``{"ready": true}``, then reads one JSON line per case on stdin (``prompt
 ``new_tokens``) and prints each request's milliseconds per output token after its first, all
 the case's prompts sent at once; it ends at the end of stdin. With ``"mode": "generate"``
 (bench/engine_bench.py) it times ``LLM.generate`` per batch as engine_bench times transformers:
-decode tok/s = batch x (new_tokens - 1) / (time of new_tokens - time of 1 token)."""
+decode tok/s = batch x (new_tokens - 1) / (time of new_tokens - time of 1 token); and, where
+the config has a ``prefill_prompt``, that prompt read whole for one token out (best of
+``prefill_repeats`` after a warm-up at its length): prefill tok/s."""
 
 import json
 import sys
@@ -56,6 +58,18 @@ def generate_tok_s(llm, sampling_params_type, prompts: list[list[int]], new_toke
     return len(prompts) * (new_tokens - 1) / max(total - prefill, 1e-9)
 
 
+def prefill_tok_s(llm, sampling_params_type, prompt: list[int], repeats: int) -> float:
+    params = sampling_params_type(max_tokens=1, ignore_eos=True, temperature=0.0)
+    batch = [{"prompt_token_ids": prompt}]
+    llm.generate(batch, params, use_tqdm=False)  # warm-up at this length (prefix caching is off)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        llm.generate(batch, params, use_tqdm=False)
+        best = min(best, time.perf_counter() - start)
+    return len(prompt) / best
+
+
 def main() -> None:
     with open(sys.argv[1]) as handle:
         config = json.load(handle)
@@ -66,6 +80,9 @@ def main() -> None:
               enable_prefix_caching=False, seed=0)
     engine = llm.llm_engine
     if config.get("mode") == "generate":
+        if config.get("prefill_prompt"):
+            print(json.dumps({"prefill_tok_s": prefill_tok_s(llm, SamplingParams, config["prefill_prompt"],
+                                                             config.get("prefill_repeats", 3))}), flush=True)
         for case in config["cases"]:
             print(json.dumps({"batch": case["batch"], "decode_tok_s": generate_tok_s(
                 llm, SamplingParams, case["prompts"], config["new_tokens"])}), flush=True)

@@ -9,11 +9,12 @@ import sys
 import pytest
 
 from bench.context_bench import ContextBenchConfig, vllm_step_ms
-from bench.engine_bench import EngineBenchConfig, vllm_decode_tok_s
+from bench.engine_bench import EngineBenchConfig, vllm_generate_tok_s
 from bench.served_bench import ServedBenchConfig, VLLMEngineSide
 
 STEP_S = 0.004  # the stand-in engine's step
 TOKEN_S = 0.002  # the stand-in LLM.generate's time per token
+PROMPT_TOKEN_S = 0.0002  # and per prompt token (every prompt of the batch)
 
 FAKE_VLLM = f'''
 import time
@@ -56,7 +57,8 @@ class LLM:
         self.llm_engine = _Engine()
 
     def generate(self, prompts, params, use_tqdm=True):
-        time.sleep({TOKEN_S} * params.max_tokens)
+        prompt_tokens = sum(len(p["prompt_token_ids"]) for p in prompts)
+        time.sleep({PROMPT_TOKEN_S} * prompt_tokens + {TOKEN_S} * params.max_tokens)
 '''
 
 
@@ -68,14 +70,18 @@ def fake_vllm(tmp_path, monkeypatch):
     return sys.executable
 
 
-def test_generate_mode_gives_decode_tok_s_per_batch(fake_vllm, tmp_path):
-    cfg = EngineBenchConfig(model="m", dtypes=("bfloat16",), threads=2, prompt_len=8, batch_sizes=(1, 4),
+def test_generate_mode_gives_decode_tok_s_per_batch_and_prefill_tok_s(fake_vllm, tmp_path):
+    cfg = EngineBenchConfig(model="m", dtypes=("bfloat16",), threads=2, prompt_len=400, batch_sizes=(1, 4),
                             decode_tokens=9, vllm_python=fake_vllm)
     batches = {1: [[5, 6]], 4: [[5, 6]] * 4}
-    tok_s, command = vllm_decode_tok_s(cfg, "bfloat16", tmp_path, batches)
+    tok_s, prefill, command = vllm_generate_tok_s(cfg, "bfloat16", tmp_path, batches, [5] * 400)
     # batch x (tokens - 1) / (time of 9 tokens - time of 1) = batch / TOKEN_S
     assert tok_s[1] == pytest.approx(1 / TOKEN_S, rel=0.3)
     assert tok_s[4] == pytest.approx(4 / TOKEN_S, rel=0.3)
+    # 400 prompt tokens and one out: 400 / (400 x PROMPT_TOKEN_S + TOKEN_S)
+    assert prefill == pytest.approx(400 / (400 * PROMPT_TOKEN_S + TOKEN_S), rel=0.3)
+    without, none, _ = vllm_generate_tok_s(cfg, "bfloat16", tmp_path, {1: [[5, 6]]})
+    assert none is None and set(without) == {1}
     assert "VLLM_CPU_OMP_THREADS_BIND=0-1" in command and "mode generate" in command
 
 
