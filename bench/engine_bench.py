@@ -284,7 +284,8 @@ def render_table(result: EngineBenchResult) -> str:
     lines = [
         f"model {cfg.model}; {cfg.threads} torch threads for each side; {result.machine}",
         f"memory read bandwidth {result.bandwidth_gb_s:.1f} GB/s; `auto` dtype here: {result.auto_dtype}; "
-        f"prefill prompt {cfg.prompt_len} tokens (best of {cfg.prefill_repeats} after a warm-up, every side); decode {cfg.decode_tokens} tokens after "
+        f"prefill prompt {cfg.prompt_len} tokens (best of {cfg.prefill_repeats} after a warm-up, every side); "
+        f"decode {cfg.decode_tokens} tokens after "
         f"{cfg.decode_prompt_len}-token prompts",
         "",
         "| dtype | workload | tandem tok/s | transformers tok/s | tandem / transformers | vLLM tok/s | tandem / vLLM "

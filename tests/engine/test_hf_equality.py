@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 
@@ -27,12 +26,23 @@ PROMPTS = [
 ]
 
 
-@pytest.fixture(params=["native", "torch"])
+@pytest.fixture(params=["native", "other-f32-matmul", "torch"])
 def engine_under_test(request, llm, smollm_dir, monkeypatch):
-    """The engine with native CPU kernels (the default), and with plain torch ops only."""
+    """The engine with native CPU kernels (the default), the same with the float32 matmul this
+    CPU did not choose (oneDNN with packed weights, or torch's default: each machine runs
+    both), and with plain torch ops only."""
     if request.param == "native":
         assert llm.engine_core.model.ops.name == "native", "native kernels should build here"
         return llm
+    if request.param == "other-f32-matmul":
+        from engine.models import linear
+
+        chosen = linear.onednn_f32_faster()
+        monkeypatch.setattr(linear, "onednn_f32_faster", lambda: not chosen)
+        other = make_llm(model=str(smollm_dir), dtype="float32", num_kv_blocks=256, max_model_len=1024)
+        head = other.engine_core.model.lm_head
+        assert (head._packed is not None) == (not chosen)
+        return other
     monkeypatch.setenv("TANDEM_DISABLE_NATIVE_KERNELS", "1")
     plain = make_llm(model=str(smollm_dir), dtype="float32", num_kv_blocks=256, max_model_len=1024)
     assert plain.engine_core.model.ops.name == "torch"
