@@ -59,16 +59,18 @@ def build(name: str, source: Path, extra_cflags: list[str]):
                 # Not known to have loaded: a linker killed mid-write leaves a library that ninja
                 # takes as current and whose loading crashes the process (SIGBUS), not raises.
                 _empty(build_dir)
+            def load():
+                return load_extension(name=name, sources=[str(source)], extra_cflags=extra_cflags,
+                                      build_directory=str(build_dir), verbose=False)
+
             try:
-                module = load_extension(name=name, sources=[str(source)], extra_cflags=extra_cflags,
-                                        build_directory=str(build_dir), verbose=False)
+                module = load()
             except Exception:
                 # A build cut off part way (a truncated object or library that ninja takes as
                 # current) fails the same way every time: start the directory afresh, once.
                 _empty(build_dir)
                 _forget(name)
-                module = load_extension(name=name, sources=[str(source)], extra_cflags=extra_cflags,
-                                        build_directory=str(build_dir), verbose=False)
+                module = load()
             partial = stamp.with_suffix(".partial")
             partial.write_text(_identity(library))
             partial.replace(stamp)
