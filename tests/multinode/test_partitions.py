@@ -25,6 +25,9 @@ from tests.workers import wait_until
 
 MODEL = "smollm2-135m-instruct"
 REQUEST_TIMEOUT_S = 120
+# the link's rate while the mid-transfer partition falls (2 MB/s; the link is removed with the
+# test): LONG_PROMPT's KV takes longer to cross than the prefill worker takes to compute it
+MID_TRANSFER_RATE = "16mbit"
 # about 950 tokens (the servers' --max-model-len is 1024): a prefill of a few seconds on one thread
 LONG_PROMPT = ("A ledger of ships that passed the lighthouse, written by its keeper each night: " * 59).strip()
 
@@ -70,13 +73,15 @@ def assert_nothing_held(server) -> None:
     wait_until(clean, timeout_s=60, what="every KV block free on both nodes")
 
 
-def kv_sends(receiver, request_id: str) -> list:
-    """The prefill worker's kv_send spans of a request (each attempt's layers streamed to the
-    decode worker, from the first to the last), once one has arrived."""
+def kv_landed(receiver, request_id: str) -> float:
+    """When the decode worker had the whole KV of a request (unix seconds): the end of its
+    kv_transfer span. (The prefill worker's kv_send spans end when the last layer was handed to
+    gRPC, whose buffers may hold megabytes that have not yet crossed the link.)"""
     def found(r):
-        return [s for s in r.spans if s.name == "kv_send" and s.attributes.get("tandem.request_id", "").startswith(
-            request_id)]
-    return receiver.wait_for(found, timeout_s=60, what=f"the kv_send spans of {request_id}")
+        return [s for s in r.spans if s.name == "kv_transfer" and s.attributes.get(
+            "tandem.request_id", "").startswith(request_id)]
+    spans = receiver.wait_for(found, timeout_s=60, what=f"the decode worker's kv_transfer span of {request_id}")
+    return max(span.end_ns for span in spans) / 1e9
 
 
 def partition(link, after_s: float, down_s: float) -> threading.Thread:
@@ -113,7 +118,11 @@ def test_short_partitions_mid_stream_and_mid_transfer(namespaces, smollm_dir, re
             assert_nothing_held(server)
 
             # mid-transfer: the link goes down while the prefill worker (host) computes the prompt and
-            # streams its KV layer by layer to the decode worker
+            # streams its KV layer by layer to the decode worker. The link is shaped first so that
+            # the transfer (22 MB of bfloat16 KV, 44 of float32) lasts 11 s or more on any CPU: unshaped,
+            # a fast machine sent the whole KV within the moment between the prefill worker taking the
+            # prompt and the cut, and the partition fell after the transfer.
+            cluster.link.limit_rate(MID_TRANSFER_RATE)
             expected = reference(LONG_PROMPT, 8)
             result = {}
 
@@ -135,14 +144,16 @@ def test_short_partitions_mid_stream_and_mid_transfer(namespaces, smollm_dir, re
             asking.join(REQUEST_TIMEOUT_S + 40)
             assert not asking.is_alive(), "the request hung"
             reply = result["reply"]
-            # the prefill worker had taken the prompt before the cut, and its KV was delivered only
-            # after the link came back (by the same stream, or by the retry's)
-            assert max(span.end_ns for span in kv_sends(cluster.receiver, "mid-transfer")) / 1e9 > up
             print(f"partition of 6 s mid-transfer: HTTP {reply.status_code} in "
                   f"{result['seconds']:.1f} s")
             assert result["seconds"] < REQUEST_TIMEOUT_S + 10
             if reply.status_code == 200:
                 assert reply.json()["choices"][0]["text"] == expected
+                # the prefill worker had taken the prompt before the cut, and its KV landed only after
+                # the link came back (by the same stream, or by the retry's): the cut fell mid-transfer
+                landed = kv_landed(cluster.receiver, "mid-transfer")
+                print(f"the KV landed {landed - up:.1f} s after the link came back")
+                assert landed > up
             else:  # a clean error, not a hang or a crash
                 assert reply.status_code in (500, 502, 503, 504) and reply.json()["error"]["message"]
             assert_nothing_held(server)
