@@ -19,7 +19,10 @@ highest Poisson rate at which at least 90% of the requests meet both SLOs, found
 until the highest passing and the lowest failing rate are at most 10% apart. Every rate has
 its own prompts and arrivals, drawn from the seed and the rate, so two contenders that try the
 same rate get the same requests at the same times. The search assumes attainment falls as
-the rate rises.
+the rate rises. ``--capacity-min``/``--capacity-max`` bound the rates it tries and
+``--capacity-step`` the ratio it stops at: where a rate of 48 requests takes ten minutes, a
+bracket (say, two rates a factor of two apart) is what a session can measure; the table then
+says "below" or "at least" where a bound was reached.
 """
 
 from __future__ import annotations
@@ -294,10 +297,10 @@ def _capacity(found: Capacity) -> str:
 def capacity_table(result: CompareResult) -> str:
     """Markdown: each contender's capacity and its figures at that rate."""
     bounds = result.capacity_bounds or CapacityBounds()
-    lines = ["| server | capacity (req/s) | lowest failing rate | rates tried (share within SLOs) | SLOs met at "
+    lines = ["| server | capacity (req/s) | lowest failing rate | rates tried (SLOs met) | SLOs met at "
              "capacity | TTFT p90 (ms) | TPOT p90 (ms) | ITL p99 (ms) |", "|---|---|---|---|---|---|---|---|"]
     for name, found in result.capacities.items():
-        tried = ", ".join(f"{rate:.3g} ({share:.0%})" for rate, share in found.tried)
+        tried = ", ".join(f"{rate:.3g} ({_met(result.runs[name].get(rate), share)})" for rate, share in found.tried)
         s = result.runs[name].get(found.rate) if found.rate is not None else None
         at = ("- | - | - | -" if s is None else
               f"{round(s['slo_attainment'] * s['num_requests'])}/{s['num_requests']} | {_num(s['ttft_ms']['p90'])} | "
@@ -307,6 +310,14 @@ def capacity_table(result: CompareResult) -> str:
     lines.append(f"\ncapacity: the highest Poisson rate at which at least {bounds.target:.0%} of the requests met both "
                  f"SLOs; the lowest failing rate is at most {bounds.step - 1:.0%} above it")
     return "\n".join(lines)
+
+
+def _met(summary: dict | None, share: float) -> str:
+    """How many of a rate's requests met both SLOs, as a count (a share rounded to 90% may be
+    43 of 48, under the target)."""
+    if summary is None:
+        return f"{share:.1%}"
+    return f"{round(summary['slo_attainment'] * summary['num_requests'])}/{summary['num_requests']}"
 
 
 def _command_line(contender: Contender) -> str:
@@ -419,6 +430,15 @@ def add_compare_args(compare, default_model: str) -> None:
                          help="search each contender's capacity (the highest rate at which 90%% of requests meet "
                               "both SLOs, to within 10%%) instead of running --sweep")
     compare.add_argument("--capacity-start", type=float, default=0.25, help="the rate each capacity search starts at")
+    compare.add_argument("--capacity-min", type=float, default=CapacityBounds.min_rate,
+                         help="capacity search: the lowest rate it tries (it reports 'below' this rate if that fails)")
+    compare.add_argument("--capacity-max", type=float, default=CapacityBounds.max_rate,
+                         help="capacity search: the highest rate it tries (it reports 'at least' this rate if that "
+                              "passes)")
+    compare.add_argument("--capacity-step", type=float, default=CapacityBounds.step,
+                         help="capacity search: it stops when the lowest failing rate is at most this factor above "
+                              "the highest passing one (default 1.1; a larger one brackets the capacity in fewer "
+                              "rates, where each rate takes minutes)")
     compare.add_argument("--capacity-duration", type=float, default=0.0,
                          help="capacity search: at least this many seconds of arrivals per rate (more requests than "
                               "--num-prompts at high rates: a steady load rather than a burst; default 0: "
@@ -469,8 +489,10 @@ def run_compare(args) -> int:
     search = None
     if args.capacity:
         rates, workloads = [], []
+        bounds = CapacityBounds(start=args.capacity_start, step=args.capacity_step, min_rate=args.capacity_min,
+                                max_rate=args.capacity_max)
         search = CapacitySearch(capacity_workload(args.dataset, args.num_prompts, args.capacity_duration, args.seed,
-                                                  spec), CapacityBounds(start=args.capacity_start))
+                                                  spec), bounds)
     result = compare(contenders, workloads, rates, args.seed, args.slo_tpot_ms, args.slo_ttft_ms, calibration,
                      warm_up=warm_up, capacity=search)
     _print_compare(args, result, contenders[0].name, capacity=search is not None)

@@ -357,8 +357,19 @@ def test_capacity_search_reports_its_bounds():
     # 90% is enough; 89% is not
     edge = find_capacity(lambda rate: 0.9 if rate <= 2.0 else 0.89, CapacityBounds(start=1.0))
     assert 2.0 / 1.1 <= edge.rate <= 2.0 < edge.ceiling
+    # a coarse bracket where each rate takes minutes: two rates, no bisection
+    bracket = find_capacity(lambda rate: 1.0 if rate <= 0.1 else 0.5,
+                            CapacityBounds(start=0.15, min_rate=0.075, max_rate=0.15, step=2.1))
+    assert (bracket.rate, bracket.ceiling) == (0.075, 0.15) and [r for r, _ in bracket.tried] == [0.15, 0.075]
     with pytest.raises(ValueError):
         CapacityBounds(start=0.0)
+
+
+def test_the_capacity_table_counts_requests_where_a_rounded_share_would_mislead():
+    from bench.compare import _met
+
+    assert _met({"slo_attainment": 43 / 48, "num_requests": 48}, 43 / 48) == "43/48"  # 89.6%, not "90%"
+    assert _met(None, 43 / 48) == "89.6%"
 
 
 def test_compare_capacity_against_scripted_servers(scripted_server):
@@ -384,8 +395,8 @@ def test_compare_capacity_against_scripted_servers(scripted_server):
     hard = compare([served], [], [], seed=0, slo_tpot_ms=GAP_S * 1000 / 4, slo_ttft_ms=None, calibration=requests,
                    say=lambda line: None, capacity=search)
     assert hard.capacities["a"].rate is None and hard.capacities["a"].ceiling == 2.0
-    assert "| a | - | 2 | 4 (0%), 2 (0%) | - | - | - | - |" in capacity_table(hard)
-    assert "| a | 8 | - | 4 (100%), 8 (100%) | 2/2 |" in capacity_table(easy)
+    assert "| a | - | 2 | 4 (0/2), 2 (0/2) | - | - | - | - |" in capacity_table(hard)
+    assert "| a | 8 | - | 4 (2/2), 8 (2/2) | 2/2 |" in capacity_table(easy)
     assert "at least 90% of the requests" in capacity_table(easy) and "at most 10% above it" in capacity_table(easy)
 
 
@@ -394,6 +405,10 @@ def test_compare_capacity_flags():
 
     args = build_parser().parse_args(["bench", "compare", "--capacity", "--capacity-start", "0.5"])
     assert args.capacity and args.capacity_start == 0.5
+    assert (args.capacity_min, args.capacity_max, args.capacity_step) == (0.01, 64.0, 1.1)  # CapacityBounds'
+    args = build_parser().parse_args(["bench", "compare", "--capacity", "--capacity-min", "0.075", "--capacity-max",
+                                      "0.15", "--capacity-step", "2.1"])
+    assert (args.capacity_min, args.capacity_max, args.capacity_step) == (0.075, 0.15, 2.1)
     assert not build_parser().parse_args(["bench", "compare"]).capacity
 
 
