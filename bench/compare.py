@@ -300,10 +300,10 @@ def capacity_table(result: CompareResult) -> str:
     lines = ["| server | capacity (req/s) | lowest failing rate | rates tried (SLOs met) | SLOs met at "
              "capacity | TTFT p90 (ms) | TPOT p90 (ms) | ITL p99 (ms) |", "|---|---|---|---|---|---|---|---|"]
     for name, found in result.capacities.items():
-        tried = ", ".join(f"{rate:.3g} ({_met(result.runs[name].get(rate), share)})" for rate, share in found.tried)
+        tried = ", ".join(f"{rate:.3g} ({_met(result.runs[name][rate])})" for rate, _ in found.tried)
         s = result.runs[name].get(found.rate) if found.rate is not None else None
         at = ("- | - | - | -" if s is None else
-              f"{round(s['slo_attainment'] * s['num_requests'])}/{s['num_requests']} | {_num(s['ttft_ms']['p90'])} | "
+              f"{_met(s)} | {_num(s['ttft_ms']['p90'])} | "
               f"{_num(s['tpot_ms']['p90'])} | {_num(s['itl_ms']['p99'])}")
         lines.append(f"| {name} | {'-' if found.rate is None else format(found.rate, '.3g')} | "
                      f"{'-' if found.ceiling is None else format(found.ceiling, '.3g')} | {tried} | {at} |")
@@ -312,11 +312,9 @@ def capacity_table(result: CompareResult) -> str:
     return "\n".join(lines)
 
 
-def _met(summary: dict | None, share: float) -> str:
+def _met(summary: dict) -> str:
     """How many of a rate's requests met both SLOs, as a count (a share rounded to 90% may be
     43 of 48, under the target)."""
-    if summary is None:
-        return f"{share:.1%}"
     return f"{round(summary['slo_attainment'] * summary['num_requests'])}/{summary['num_requests']}"
 
 
