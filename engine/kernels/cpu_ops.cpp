@@ -810,9 +810,13 @@ torch::Tensor skinny_linear_f32(torch::Tensor x, torch::Tensor weight, c10::opti
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("add_rms_norm_", &add_rms_norm_, "residual += delta; rms_norm(residual) * weight");
-  m.def("silu_mul", &silu_mul, "silu(gate) * up");
-  m.def("rope_", &rope_, "in-place RoPE on interleaved pairs");
-  m.def("paged_decode_attention", &paged_decode_attention, "decode attention through block tables");
-  m.def("skinny_linear_f32", &skinny_linear_f32, "x W^T (+ b) for a few rows, the weight read once");
+  // Each kernel runs without the GIL (its arguments are converted first, its result after),
+  // so that the worker's other Python threads (gRPC, KV transport, the prefill lane) go on
+  // while it computes.
+  const auto kNoGil = py::call_guard<py::gil_scoped_release>();
+  m.def("add_rms_norm_", &add_rms_norm_, "residual += delta; rms_norm(residual) * weight", kNoGil);
+  m.def("silu_mul", &silu_mul, "silu(gate) * up", kNoGil);
+  m.def("rope_", &rope_, "in-place RoPE on interleaved pairs", kNoGil);
+  m.def("paged_decode_attention", &paged_decode_attention, "decode attention through block tables", kNoGil);
+  m.def("skinny_linear_f32", &skinny_linear_f32, "x W^T (+ b) for a few rows, the weight read once", kNoGil);
 }

@@ -106,6 +106,8 @@ torch::Tensor gemv_bf16(torch::Tensor x, torch::Tensor w, c10::optional<torch::T
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("gemv_bf16", &gemv_bf16, "skinny bfloat16 matmul (AVX-512 BF16)", py::arg("x"), py::arg("w"),
+  // Without the GIL while it computes (cpu_ops.cpp says why).
+  const auto kNoGil = py::call_guard<py::gil_scoped_release>();
+  m.def("gemv_bf16", &gemv_bf16, "skinny bfloat16 matmul (AVX-512 BF16)", kNoGil, py::arg("x"), py::arg("w"),
         py::arg("bias"), py::arg("float_out") = false);
 }

@@ -274,6 +274,8 @@ bool supports(int64_t head_dim, int64_t group) {
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_prefill_attention", &paged_prefill_attention, "causal prompt-chunk attention through a block table");
+  // Without the GIL while it computes (cpu_ops.cpp says why).
+  const auto kNoGil = py::call_guard<py::gil_scoped_release>();
+  m.def("paged_prefill_attention", &paged_prefill_attention, "causal prompt-chunk attention through a block table", kNoGil);
   m.def("supports", &supports, "whether this build takes (head_dim, query heads per KV head)");
 }
