@@ -367,10 +367,12 @@ def table(result: CompareResult, reference: str) -> str:
 CONTENDERS = ("disagg", "colocated", "vllm", "transformers")
 
 
-def colocated_variants(budgets: list[int], step_ms: list[str]) -> list[tuple[str, list[str], str]]:
+def colocated_variants(budgets: list[int], step_ms: list[str],
+                       lane_tokens: list[str] = ()) -> list[tuple[str, list[str], str]]:
     """(name suffix, flags, description) of each colocated contender: one per token cap (chunked
-    by tokens only), one per step target (``--max-step-ms``, a number or ``off``); tandem's
-    defaults when neither is given."""
+    by tokens only), one per step target (``--max-step-ms``, a number or ``off``), one per
+    prefill-lane threshold (``--prefill-lane-min-tokens``, a number or ``off``); tandem's
+    defaults when none is given."""
     variants = [(f"-{budget}", ["--max-num-batched-tokens", str(budget), "--max-step-ms", "off"],
                  f"chunked prefill {budget} tokens per step") for budget in budgets]
     for target in step_ms:
@@ -378,11 +380,17 @@ def colocated_variants(budgets: list[int], step_ms: list[str]) -> list[tuple[str
             raise ValueError(f"--colocated-step-ms takes numbers > 0 or off, got {target!r}")
         variants.append((f"-step{target}", ["--max-step-ms", target],
                          "no step target (the token cap only)" if target == "off" else f"steps of at most {target} ms"))
+    for tokens in lane_tokens:
+        if tokens != "off" and not (tokens.isdigit() and int(tokens) > 0):
+            raise ValueError(f"--colocated-lane-tokens takes token counts > 0 or off, got {tokens!r}")
+        variants.append((f"-lane{tokens}", ["--prefill-lane-min-tokens", tokens],
+                         "no prefill lane" if tokens == "off" else f"prompts of {tokens}+ tokens in the prefill lane"))
     return variants or [("", [], "its defaults")]
 
 
 def default_contenders(model: str, hf_dir: str, dtype: str, colocated_budgets: list[int], names: list[str],
-                       vllm_python: str | None = None, colocated_step_ms: list[str] | None = None) -> list[Contender]:
+                       vllm_python: str | None = None, colocated_step_ms: list[str] | None = None,
+                       colocated_lane_tokens: list[str] | None = None) -> list[Contender]:
     unknown = [n for n in names if n not in CONTENDERS]
     if unknown:
         raise ValueError(f"unknown contenders {unknown} (choose from {', '.join(CONTENDERS)})")
@@ -396,7 +404,8 @@ def default_contenders(model: str, hf_dir: str, dtype: str, colocated_budgets: l
                                          "--worker-threads", "1"],
                 "tandem serve --mode disagg: 1 prefill + 1 decode worker, 1 thread each"))
         elif name == "colocated":
-            for suffix, flags, what in colocated_variants(colocated_budgets, colocated_step_ms or []):
+            for suffix, flags, what in colocated_variants(colocated_budgets, colocated_step_ms or [],
+                                                          colocated_lane_tokens or []):
                 flags = ["--mode", "colocated", "--decode-workers", "1", "--worker-threads", "2", *flags]
                 contenders.append(tandem_contender(f"colocated{suffix}", model, dtype, flags,
                                                    f"tandem serve --mode colocated: 1 worker, 2 threads, {what}"))
@@ -449,6 +458,8 @@ def add_compare_args(compare, default_model: str) -> None:
                               "(default: one colocated contender with tandem's defaults)")
     compare.add_argument("--colocated-step-ms", default="",
                          help="comma-separated --max-step-ms values (or off): one colocated contender each")
+    compare.add_argument("--colocated-lane-tokens", default="",
+                         help="comma-separated --prefill-lane-min-tokens values (or off): one colocated contender each")
     compare.add_argument("--no-transformers", action="store_true", help="skip transformers serve")
     compare.add_argument("--traffic-mix", default=None, metavar="CLASS:SHARE,...",
                          help="traffic classes instead of a sweep: a baseline run of --traffic-baseline's requests "
@@ -481,7 +492,8 @@ def run_compare(args) -> int:
 
         return run_traffic_compare(args, hf_dir, names)
     step_ms = [t.strip() for t in args.colocated_step_ms.split(",") if t.strip()]
-    contenders = default_contenders(args.model, hf_dir, args.dtype, budgets, names, args.vllm_python, step_ms)
+    lanes = [t.strip() for t in args.colocated_lane_tokens.split(",") if t.strip()]
+    contenders = default_contenders(args.model, hf_dir, args.dtype, budgets, names, args.vllm_python, step_ms, lanes)
     calibration = make_dataset(args.dataset, 3, args.seed + 1000, spec)  # prompts of their own, same shape
     warm_up = make_dataset(args.dataset, args.warm_up, args.seed + 2000, spec)
     search = None

@@ -140,6 +140,9 @@ class ServeCluster:
         if threads is None:
             threads = default_worker_threads(choice.mode, nodes, config.decode_workers.min)
         say(f"mode: {choice.mode} ({choice.reason}); {threads} torch thread(s) per worker")
+        if choice.mode is Mode.COLOCATED and threads >= 2 and config.prefill_lane_min_tokens is not None:
+            say(f"prefill lane: a prompt of {config.prefill_lane_min_tokens}+ tokens that arrives while streams "
+                f"decode is read on 1 of the {threads} threads, the others decoding meanwhile")
         sizes = {Role.DECODE: config.decode_workers}
         if choice.mode is Mode.DISAGG:
             sizes[Role.PREFILL] = config.prefill_workers
@@ -226,11 +229,13 @@ class ServeCluster:
         from engine.llm import EngineArgs
 
         config, plan = self.config, self.plan
+        lane = config.prefill_lane_min_tokens if plan.mode is Mode.COLOCATED else None
         return EngineArgs(model=str(self.info.model_dir), dtype=config.dtype, max_model_len=plan.max_model_len,
                           block_size=config.block_size, num_kv_blocks=config.num_kv_blocks,
                           max_num_seqs=config.max_num_seqs, gpu_memory_utilization=config.gpu_memory_utilization,
                           max_num_batched_tokens=config.max_num_batched_tokens, max_step_ms=config.max_step_ms,
-                          scheduling_policy=config.scheduling_policy, num_threads=plan.worker_threads, chat_template=self.chat_template,
+                          prefill_lane_min_tokens=lane, scheduling_policy=config.scheduling_policy,
+                          num_threads=plan.worker_threads, chat_template=self.chat_template,
                           attention_backend=config.attention_backend, device=config.device,
                           served_model_name=config.name)
 

@@ -18,6 +18,7 @@ from typing import Any
 from cluster.autoscale import PoolSize, pool_size
 from cluster.placement import MODES
 from engine.models.registry import DEFAULT_MODEL
+from engine.prefill_lane import DEFAULT_PREFILL_LANE_MIN_TOKENS
 from engine.step_budget import DEFAULT_MAX_STEP_MS
 from proto import worker_pb2
 
@@ -37,6 +38,16 @@ def _fraction(text: str) -> float:
     if not 0 < value <= 1:
         raise argparse.ArgumentTypeError(f"{text}: must be in (0, 1]")
     return value
+
+
+def _lane_tokens(value: str) -> int | None:
+    if value.strip().lower() in ("off", "none", "0"):
+        return None
+    number = int(value)
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"--prefill-lane-min-tokens must be a positive number of tokens or 'off', "
+                                         f"got {value!r}")
+    return number
 
 
 def _step_ms(value: str) -> float | None:
@@ -116,6 +127,11 @@ class ServeConfig:
                                      "prefill rate so that the step stays under this many ms ('off': "
                                      f"--max-num-batched-tokens only; default {DEFAULT_MAX_STEP_MS:g}, measured: "
                                      "see README)")
+    prefill_lane_min_tokens: int | None = flag(
+        DEFAULT_PREFILL_LANE_MIN_TOKENS, _lane_tokens,
+        "colocated workers with 2 or more threads: a prompt with at least this many tokens to compute, arriving "
+        "while streams decode, is read on one thread of its own while the others keep decoding ('off': every "
+        f"prompt shares the steps; default {DEFAULT_PREFILL_LANE_MIN_TOKENS}, measured: see README)")
     max_queue: int = flag(256, int, "sequences (prompts x n) in flight before new requests get 429; tokenize "
                                     "calls count one")
     scheduling_policy: str = flag("fcfs", help="fcfs: arrival order everywhere; priority: requests run by their "

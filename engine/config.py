@@ -149,6 +149,9 @@ class SchedulerConfig:
     # fcfs: arrival order, the newest running request yields blocks; priority: by (priority,
     # arrival), the lowest class yields (engine/request_queue.py); vLLM's --scheduling-policy
     policy: SchedulingPolicy = SchedulingPolicy.FCFS
+    # a prompt with at least this many tokens to compute, arriving while streams decode, is
+    # read on a thread of its own (engine/prefill_lane.py; CPU, two threads or more); None: off
+    prefill_lane_min_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.policy, SchedulingPolicy):
@@ -157,6 +160,8 @@ class SchedulerConfig:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
         if self.max_step_ms is not None and not self.max_step_ms > 0:
             raise ValueError(f"max_step_ms must be > 0 (or None), got {self.max_step_ms}")
+        if self.prefill_lane_min_tokens is not None and self.prefill_lane_min_tokens < 1:
+            raise ValueError(f"prefill_lane_min_tokens must be >= 1 (or None), got {self.prefill_lane_min_tokens}")
 
 
 @dataclass(frozen=True, slots=True)

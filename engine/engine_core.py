@@ -28,6 +28,7 @@ from engine.models.loader import load_model
 from engine.models.ops import select_ops
 from engine.outputs import FinishReason, Logprob, PositionLogprobs
 from engine.platform import resolve_device
+from engine.prefill_lane import PrefillLane
 from engine.remote_kv import KVExport, KVExporter, KVFailurePolicy, KVImporter, PrefillTiming
 from engine.request import ErrorScope, Request, RequestStatus, RequestTimes
 from engine.request_queue import SchedulingPolicy
@@ -131,6 +132,11 @@ class EngineCore:
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.counters = EngineCounters()
         self._rng = random.Random(config.seed)
+        # the prefill lane (engine/prefill_lane.py): on a CPU with threads to lend it one
+        self.num_threads = torch.get_num_threads()  # this (the engine) thread's, between lane prompts
+        self.lane: PrefillLane | None = None
+        if config.scheduler.prefill_lane_min_tokens is not None and device.type == "cpu" and self.num_threads >= 2:
+            self.lane = PrefillLane(ModelRunner(self.model, self.kv_cache, backend))
 
     def _gpu_kv_budget(self, device: torch.device) -> int:
         """KV bytes on this GPU, measured after the weights loaded (see gpu_kv_budget)."""
@@ -292,13 +298,17 @@ class EngineCore:
                                         request.num_cached_tokens, request.times)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        """Requests here, or a prompt in the lane (its result, or its aborted request's blocks, to take back)."""
+        return self.scheduler.has_unfinished() or (self.lane is not None and self.lane.busy)
 
     # -- stepping ----------------------------------------------------------------------------
     def step(self) -> list[EngineCoreOutput]:
         failed = [self.remote_kv_failed(request_id, "its KV did not arrive before the deadline")
                   for request_id in self.scheduler.expired_remote_kv(time.monotonic())]
         failed_outputs = [output for output in failed if output is not None]
+        if self.lane is not None:
+            failed_outputs += self._lane_finished()
+            self._lane_start()
         scheduled = self.scheduler.schedule()
         if not scheduled.seqs:
             return failed_outputs
@@ -339,6 +349,47 @@ class EngineCore:
             if output.finish_reason is not None:
                 self.kv_exporter.close(output.request_id, output.finish_reason)
         return failed_outputs + outputs
+
+    # -- the prefill lane -------------------------------------------------------------------
+    def _lane_start(self) -> None:
+        """Hand the lane the next long prompt, if it is idle and there is one; this thread
+        lends it one of its threads while it runs."""
+        if self.lane.busy:
+            return
+        seq = self.scheduler.take_for_lane(self.config.scheduler.prefill_lane_min_tokens)
+        if seq is None:
+            return
+        self.kv_manager.pin(seq.request_id)
+        times = self.scheduler.requests[seq.request_id].times
+        times.scheduled = times.scheduled or time.monotonic()
+        torch.set_num_threads(self.num_threads - self.lane.threads)
+        self.lane.submit(seq)
+
+    def _lane_finished(self) -> list[EngineCoreOutput]:
+        """The prompt the lane finished joins the batch with its first token (or fails
+        alone); its blocks go back to the pool if it ended meanwhile."""
+        result = self.lane.take_done()
+        if result is None:
+            return []
+        torch.set_num_threads(self.num_threads)
+        request_id = result.seq.request_id
+        self.kv_manager.unpin(request_id)
+        request = self.scheduler.waiting_for_remote_kv.get(request_id)
+        if request is None:
+            return []  # aborted while the lane ran
+        self.counters.num_prompt_tokens_computed += len(result.seq.token_ids)
+        if result.error is not None:
+            return [self._fail(request, f"the model step failed: {type(result.error).__name__}: {result.error}")]
+        if request_id in result.output.failed:
+            return [self._fail(request, result.output.failed[request_id])]
+        update = self.scheduler.finish_remote_kv(request_id, result.output.sampled[request_id])
+        self.counters.num_generation_tokens += len(update.new_token_ids)
+        return [self._process(update)]
+
+    def close(self) -> None:
+        """Stop the lane's thread (the engine itself holds no other)."""
+        if self.lane is not None:
+            self.lane.stop()
 
     def _count_prompt_tokens(self, scheduled) -> None:
         for seq in scheduled.seqs:

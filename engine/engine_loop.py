@@ -122,6 +122,8 @@ class EngineLoop:
             raise RuntimeError(f"the engine was not built within {build_timeout_s:.0f} s")
         if self._build_error is not None:
             raise self._build_error
+        if self.core.lane is not None:
+            self.core.lane.on_done = self.wake  # a prompt it finished joins the batch at once
 
     def start(self) -> None:
         """Start stepping (the core is built already)."""
@@ -179,6 +181,8 @@ class EngineLoop:
         self._go.set()
         self._wake.set()
         self._thread.join(timeout_s)
+        if self.core is not None:
+            self.core.close()
 
     # -- the engine thread --------------------------------------------------------------------
     def _main(self, build: Callable[[], EngineCore]) -> None:

@@ -131,6 +131,33 @@ class Scheduler:
         self.waiting.add_back(request)
         return True
 
+    def take_for_lane(self, min_tokens: int) -> ScheduledSeq | None:
+        """The next waiting prompt, whole, for the prefill lane (engine/prefill_lane.py), if it
+        is one: a fresh prompt (not preempted or resumed, no prompt logprobs, nothing to
+        export) with at least ``min_tokens`` tokens left to compute after its prefix-cache hit,
+        while streams are decoding (with none, a step of its own on every thread is faster)
+        and a sequence slot and its blocks are free. The queue keeps its order: only its head
+        is taken. The request then waits like one whose KV comes from elsewhere
+        (WAITING_FOR_REMOTE_KV, no deadline) until ``finish_remote_kv``."""
+        if not self.waiting or not self.running or len(self.running) >= self.config.max_num_seqs:
+            return None
+        request = self.waiting.peek()
+        if (request.status is not RequestStatus.WAITING or request.output_token_ids or request.wants_prompt_logprobs
+                or request.kv_export_from is not None):
+            return None
+        cached = self.kv.find_cached_prefix(request)
+        num_cached = len(cached) * self.kv.block_size
+        if request.num_prompt_tokens - num_cached < min_tokens:
+            return None
+        if not self.kv.allocate_slots(request.request_id, request.num_prompt_tokens, cached):
+            return None
+        self.waiting.pop()
+        self.kv.record_lookup(request.num_prompt_tokens, num_cached)
+        request.num_cached_tokens = request.num_computed_tokens = num_cached
+        request.status = RequestStatus.WAITING_FOR_REMOTE_KV
+        self.waiting_for_remote_kv[request.request_id] = request
+        return self._scheduled(request, request.num_prompt_tokens - num_cached)
+
     # -- one step ---------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         # Decodes first, then prompt chunks: a long prompt read in chunks never stalls the

@@ -40,6 +40,10 @@ class KVCacheManager:
         self.stats = PrefixCacheStats()
         self._tables: dict[str, list[int]] = {}
         self._num_registered: dict[str, int] = {}  # request id -> leading blocks already cached
+        # a request whose blocks another thread is writing (engine/prefill_lane.py): freeing it
+        # parks its table here until that thread is done with it (unpin)
+        self._pinned: set[str] = set()
+        self._parked: dict[str, list[list[int]]] = {}
 
     def block_table(self, request_id: str) -> list[int]:
         return self._tables.get(request_id, [])
@@ -113,17 +117,32 @@ class KVCacheManager:
         self._num_registered[request_id] = num_full
 
     def free(self, request_id: str) -> None:
-        """Release every block of the request (idempotent)."""
+        """Release every block of the request (idempotent). A pinned request's blocks stay
+        held, out of its table, until ``unpin``."""
         table = self._tables.pop(request_id, None)
         self._num_registered.pop(request_id, None)
-        if table:
+        if table and request_id in self._pinned:
+            self._parked.setdefault(request_id, []).append(table)
+        elif table:
             # tail first: the LRU then evicts a sequence's last blocks before its prefix
+            self.pool.free(list(reversed(table)))
+
+    def pin(self, request_id: str) -> None:
+        """Another thread writes into this request's blocks: none of them may go back to the
+        pool (and to another request) before ``unpin``, even if the request ends meanwhile."""
+        self._pinned.add(request_id)
+
+    def unpin(self, request_id: str) -> None:
+        """That thread is done: what the request freed while pinned goes back to the pool."""
+        self._pinned.discard(request_id)
+        for table in self._parked.pop(request_id, []):
             self.pool.free(list(reversed(table)))
 
     def check_integrity(self) -> None:
         self.pool.check_integrity()
         held: dict[int, int] = {}
-        for table in self._tables.values():
+        parked = [table for tables in self._parked.values() for table in tables]
+        for table in [*self._tables.values(), *parked]:
             for block_id in table:
                 held[block_id] = held.get(block_id, 0) + 1
         for block_id, count in held.items():

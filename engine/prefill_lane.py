@@ -1,0 +1,107 @@
+"""The prefill lane: a colocated worker computes a long prompt on a thread of its own while
+its engine thread keeps decoding.
+
+On a CPU the two halves of serving scale badly together. A step that reads a 1k-token prompt
+beside the decoding streams stalls every stream for the whole prompt (or, chunked, for many
+longer steps), and neither half gains the full second core: on 2 cores of an AVX-512 EPYC a
+decode step of 16 sequences takes 26.6 ms on two threads and 40.5 on one, a 1000-token
+prompt 680 ms on one. Run side by side, one thread each, they barely slow each other (the
+decode step 42.2 ms, the prompt 700-840 ms; docs/benchmarks.md "The prefill lane"), where
+taking turns stalls the streams. That is what a disaggregated pair does on shared cores,
+without the KV copy: the lane writes the prompt's KV straight into the blocks the scheduler
+reserved for it.
+
+The engine thread hands over one prompt at a time (``Scheduler.take_for_lane``: the head of
+the queue, long enough, while streams decode), lends the lane one of its threads for as long
+as it runs, and takes the result back between two steps; the request then joins the batch
+with its first token, as one whose KV came from a prefill worker does. The lane touches
+nothing but its own runner (the shared model and KV tensors, read-only but for the request's
+own blocks); the KV manager keeps those blocks pinned so that an abort meanwhile cannot hand
+them to another request before the lane is done writing.
+
+Kernels must not hold the GIL while they compute (engine/kernels: ``kNoGil``), or the two
+threads would take turns after all.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from engine.model_runner import ModelRunner
+from engine.scheduler_types import RunnerOutput, ScheduledSeq, SchedulerOutput
+
+# `tandem serve --prefill-lane-min-tokens` default, for colocated workers (the offline LLM has
+# no lane): prompts of about 1k tokens belong in the lane, and 250-token ones did as well
+# in the steps (README "The prefill lane").
+DEFAULT_PREFILL_LANE_MIN_TOKENS = 512
+
+
+@dataclass(frozen=True, slots=True)
+class LaneResult:
+    """One prompt the lane computed: its runner output (the first token), or what the forward raised."""
+
+    seq: ScheduledSeq
+    output: RunnerOutput | None
+    error: BaseException | None
+    elapsed_s: float
+
+
+class PrefillLane:
+    """A thread that runs one whole-prompt forward at a time on ``runner`` (its own, over the
+    engine's model and KV cache) with ``threads`` torch threads. ``submit`` and ``take_done``
+    belong to the engine thread; ``on_done`` is called on the lane thread after each prompt
+    (e.g. to wake an idle engine loop)."""
+
+    def __init__(self, runner: ModelRunner, threads: int = 1, on_done: Callable[[], None] | None = None) -> None:
+        self.runner = runner
+        self.threads = threads
+        self.on_done = on_done
+        self.in_flight: str | None = None  # the request id being computed (the engine thread's view)
+        self._jobs: queue.SimpleQueue[ScheduledSeq | None] = queue.SimpleQueue()
+        self._done: queue.SimpleQueue[LaneResult] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._main, name="prefill-lane", daemon=True)
+        self._thread.start()
+
+    @property
+    def busy(self) -> bool:
+        return self.in_flight is not None
+
+    def submit(self, seq: ScheduledSeq) -> None:
+        assert self.in_flight is None, "the lane computes one prompt at a time"
+        self.in_flight = seq.request_id
+        self._jobs.put(seq)
+
+    def take_done(self) -> LaneResult | None:
+        """The prompt the lane finished, if it has (never blocks)."""
+        try:
+            result = self._done.get_nowait()
+        except queue.Empty:
+            return None
+        self.in_flight = None
+        return result
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        self._jobs.put(None)
+        self._thread.join(timeout_s)
+
+    def _main(self) -> None:
+        torch.set_num_threads(self.threads)  # this thread's OpenMP team; the engine thread keeps its own
+        while True:
+            seq = self._jobs.get()
+            if seq is None:
+                return
+            started = time.perf_counter()
+            step = SchedulerOutput(seqs=[seq], num_batched_tokens=len(seq.token_ids), preempted_ids=[])
+            try:
+                result = LaneResult(seq, self.runner.execute(step), None, time.perf_counter() - started)
+            except Exception as exc:  # the engine thread fails this request alone
+                result = LaneResult(seq, None, exc, time.perf_counter() - started)
+            self._done.put(result)
+            if self.on_done is not None:
+                self.on_done()

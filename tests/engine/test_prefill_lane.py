@@ -1,0 +1,261 @@
+"""The prefill lane (engine/prefill_lane.py): a long prompt computed on a thread of its own while
+the engine thread keeps decoding. Its tokens are the tokens of the ordinary steps and of
+transformers, the streams keep their pace while it runs, and an abort or a failed forward
+there leaves no block behind and no other request touched."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from engine.engine_loop import AddRequest, EngineLoop
+from engine.kv_cache.block_hash import namespace_digest
+from engine.kv_cache.block_pool import BlockPool
+from engine.kv_cache.manager import KVCacheManager
+from engine.llm import EngineArgs
+from engine.sampling_params import SamplingParams
+from tests.reference import EqualityStats, assert_token_equal, hf_greedy
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+LANE_MIN = 64
+
+
+def long_prompt(seed: int, length: int) -> list[int]:
+    return [(seed * 7919 + index * 31) % 40000 + 5 for index in range(length)]
+
+
+def build(model_dir, lane: int | None, **kwargs):
+    args = dict(model=str(model_dir), dtype="float32", num_kv_blocks=256, max_model_len=1024, num_threads=2,
+                prefill_lane_min_tokens=lane)
+    args.update(kwargs)
+    return EngineArgs(**args).build_core()
+
+
+def start_streams(core, count: int = 2, params: SamplingParams = GREEDY) -> dict[str, list[int]]:
+    """Streams that decode from the next step on; their first tokens."""
+    for index in range(count):
+        core.add_request(core.make_request(f"s{index}", [200 + index, 17, 99, 4000 + index], params))
+    return {output.request_id: list(output.new_token_ids) for output in core.step()}
+
+
+def run(core, requests: list[tuple[str, list[int]]], gate=None) -> dict[str, list[int]]:
+    """Step until every request is done; the tokens each one got."""
+    for request_id, prompt in requests:
+        core.add_request(core.make_request(request_id, prompt, GREEDY))
+    tokens: dict[str, list[int]] = {}
+    deadline = time.monotonic() + 300
+    while core.has_unfinished_requests():
+        assert time.monotonic() < deadline, "the engine did not finish its requests"
+        for output in core.step():
+            assert output.error is None, output.error
+            tokens.setdefault(output.request_id, []).extend(output.new_token_ids)
+        if not core.scheduler.running:
+            time.sleep(0.001)  # only the lane has work
+    return tokens
+
+
+def wrap_lane(core, before=None):
+    """Count the prompts the lane computes and run ``before`` on its thread before each."""
+    runner = core.lane.runner
+    execute, seen = runner.execute, []
+
+    def recording(step):
+        seen.append((step.seqs[0].request_id, len(step.seqs[0].token_ids), threading.current_thread().name))
+        if before is not None:
+            before()
+        return execute(step)
+
+    runner.execute = recording
+    return seen
+
+
+@pytest.fixture(scope="module")
+def lane_core(smollm_dir):
+    core = build(smollm_dir, LANE_MIN)
+    yield core
+    core.close()
+
+
+@pytest.fixture(autouse=True)
+def _lane_core_clean(request):
+    yield
+    if "lane_core" in request.fixturenames:
+        core = request.getfixturevalue("lane_core")
+        core.check_integrity()
+        assert not core.has_unfinished_requests()
+        assert core.block_pool.num_free_blocks == core.block_pool.num_blocks
+        core.lane.runner.__dict__.pop("execute", None)  # undo wrap_lane
+
+
+def test_lane_tokens_are_the_steps_tokens_and_transformers(lane_core, smollm_dir, hf_smollm):
+    prompts = [("long0", long_prompt(1, 300)), ("long1", long_prompt(2, 200)), ("short", long_prompt(3, 20))]
+    seen = wrap_lane(lane_core)
+    start_streams(lane_core)
+    with_lane = run(lane_core, prompts)
+    assert {request_id for request_id, _, _ in seen} >= {"long0"}  # it took the long prompts...
+    assert all(name == "prefill-lane" and length >= LANE_MIN for _, length, name in seen)
+    assert "short" not in {request_id for request_id, _, _ in seen}  # ...and left the short one to the steps
+
+    plain = build(smollm_dir, None)
+    try:
+        assert plain.lane is None
+        start_streams(plain)
+        without = run(plain, prompts)
+    finally:
+        plain.close()
+    assert with_lane == without
+    model, _ = hf_smollm
+    reference, logits = hf_greedy(model, prompts[0][1], GREEDY.max_tokens)
+    assert_token_equal(with_lane["long0"], reference, logits, EqualityStats(), "long0 in the lane")
+
+
+def test_streams_decode_on_fewer_threads_while_the_lane_runs(lane_core):
+    release, entered = threading.Event(), threading.Event()
+    threads_in_lane = []
+
+    def hold():
+        threads_in_lane.append(torch.get_num_threads())
+        entered.set()
+        assert release.wait(60)
+
+    wrap_lane(lane_core, hold)
+    streams = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    start_streams(lane_core, params=streams)
+    lane_core.add_request(lane_core.make_request("long", long_prompt(4, 200), GREEDY))
+    lane_core.step()
+    assert entered.wait(30) and lane_core.lane.busy
+    assert threads_in_lane == [1] and torch.get_num_threads() == 1  # the engine thread lent it one
+    decoded = []
+    for _ in range(5):  # the streams go on while the lane holds its prompt
+        decoded += [output.request_id for output in lane_core.step() if output.new_token_ids]
+    assert decoded.count("s0") == 5 and decoded.count("s1") == 5 and "long" not in decoded
+    release.set()
+    tokens = run(lane_core, [])
+    assert len(tokens["long"]) == GREEDY.max_tokens
+    assert torch.get_num_threads() == 2  # the thread came back
+
+
+def test_an_abort_while_the_lane_writes_keeps_its_blocks_until_the_lane_is_done(lane_core):
+    release, entered = threading.Event(), threading.Event()
+    wrap_lane(lane_core, lambda: (entered.set(), release.wait(60)))
+    start_streams(lane_core)
+    free_before = lane_core.block_pool.num_free_blocks
+    lane_core.add_request(lane_core.make_request("long", long_prompt(5, 250), GREEDY))
+    lane_core.step()
+    assert entered.wait(30)
+    output = lane_core.abort_request("long")
+    assert output.finish_reason == "abort"
+    lane_core.check_integrity()
+    # its 16 blocks are still out of the pool: the lane may still write into them
+    assert lane_core.block_pool.num_free_blocks <= free_before - 16
+    release.set()
+    tokens = run(lane_core, [])
+    assert "long" not in tokens
+    assert lane_core.block_pool.num_free_blocks == lane_core.block_pool.num_blocks
+
+
+def test_a_failed_lane_forward_fails_that_request_alone(lane_core):
+    def boom():
+        raise RuntimeError("injected lane failure")
+
+    wrap_lane(lane_core, boom)
+    tokens = start_streams(lane_core)
+    lane_core.add_request(lane_core.make_request("long", long_prompt(6, 200), GREEDY))
+    errors = {}
+    while lane_core.has_unfinished_requests():
+        for output in lane_core.step():
+            tokens.setdefault(output.request_id, []).extend(output.new_token_ids)
+            if output.error:
+                errors[output.request_id] = output.error
+        time.sleep(0.001)
+    assert list(errors) == ["long"] and "injected lane failure" in errors["long"]
+    assert len(tokens["s0"]) == len(tokens["s1"]) == GREEDY.max_tokens
+
+
+def test_no_lane_without_threads_to_lend_or_on_the_offline_engine(smollm_dir, tiny_llama_dir):
+    threads = torch.get_num_threads()
+    try:
+        assert build(tiny_llama_dir, LANE_MIN, num_threads=1, max_model_len=512).lane is None
+    finally:
+        torch.set_num_threads(threads)
+    offline = EngineArgs(model=str(tiny_llama_dir), dtype="float32", num_kv_blocks=64, max_model_len=256,
+                         num_threads=2).build_core()
+    assert offline.lane is None
+    with pytest.raises(ValueError, match="prefill_lane_min_tokens"):
+        build(tiny_llama_dir, 0, max_model_len=512)
+
+
+def test_the_lane_takes_only_the_queue_head_when_it_is_a_fresh_long_prompt_and_streams_decode(tiny_llama_dir):
+    core = build(tiny_llama_dir, LANE_MIN, max_model_len=512)
+    try:
+        scheduler = core.scheduler
+        core.add_request(core.make_request("alone", long_prompt(7, 100), GREEDY))
+        assert scheduler.take_for_lane(LANE_MIN) is None  # nothing decodes: the step takes it on every thread
+        run(core, [])
+        start_streams(core)
+        core.add_request(core.make_request("short", long_prompt(8, 20), GREEDY))
+        core.add_request(core.make_request("long", long_prompt(9, 100), GREEDY))
+        assert scheduler.take_for_lane(LANE_MIN) is None  # the head is short; the long one keeps its turn
+        core.abort_request("short")
+        logprobs = SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=1)
+        core.abort_request("long")
+        core.add_request(core.make_request("scored", long_prompt(10, 100), logprobs))
+        assert scheduler.take_for_lane(LANE_MIN) is None  # prompt logprobs are scored in the steps
+        core.abort_request("scored")
+        core.add_request(core.make_request("long", long_prompt(9, 100), GREEDY))
+        seq = scheduler.take_for_lane(LANE_MIN)
+        assert seq is not None and seq.request_id == "long" and seq.start_pos == 0 and len(seq.token_ids) == 100
+        assert seq.sampling is not None and seq.sampling.position == 100
+        assert scheduler.requests["long"].status.name == "WAITING_FOR_REMOTE_KV"
+        core.abort_request("long")
+        run(core, [])
+        core.check_integrity()
+        assert core.block_pool.num_free_blocks == core.block_pool.num_blocks
+    finally:
+        core.close()
+
+
+def test_a_pinned_requests_blocks_go_back_only_when_unpinned():
+    pool = BlockPool(8)
+    manager = KVCacheManager(pool, 4, namespace_digest("m", 4, "float32"))
+    assert manager.allocate_slots("r", 10)
+    manager.pin("r")
+    manager.free("r")
+    assert pool.num_free_blocks == 5 and manager.block_table("r") == []
+    manager.check_integrity()
+    assert manager.allocate_slots("r2", 12)  # the rest of the pool serves others meanwhile
+    manager.free("r2")
+    manager.unpin("r")
+    assert pool.num_free_blocks == 8
+    manager.check_integrity()
+    manager.unpin("r")  # idempotent
+
+
+def test_an_engine_loop_with_a_lane_serves_long_prompts_beside_streams(smollm_dir):
+    loop = EngineLoop(lambda: build(smollm_dir, LANE_MIN))
+    finished: dict[str, threading.Event] = {}
+    tokens: dict[str, list[int]] = {}
+
+    def listener(output):
+        tokens.setdefault(output.request_id, []).extend(output.new_token_ids)
+        if output.finish_reason:
+            finished[output.request_id].set()
+
+    seen = wrap_lane(loop.core)
+    loop.start()
+    try:
+        streams = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+        for request_id, prompt, params in [("s0", [5, 6, 7], streams), ("long", long_prompt(11, 300), GREEDY)]:
+            finished[request_id] = threading.Event()
+            loop.add(AddRequest(request_id, prompt, params, listener)).result(30)
+            time.sleep(0.3)  # the stream decodes before the long prompt arrives
+        assert all(event.wait(120) for event in finished.values())
+    finally:
+        loop.stop()
+    assert [request_id for request_id, _, _ in seen] == ["long"]
+    assert len(tokens["long"]) == GREEDY.max_tokens and len(tokens["s0"]) == 200
+    loop.core.check_integrity()
+    assert loop.core.block_pool.num_free_blocks == loop.core.block_pool.num_blocks
