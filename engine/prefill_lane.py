@@ -14,7 +14,10 @@ reserved for it.
 The engine thread hands over one prompt at a time (``Scheduler.take_for_lane``: the head of
 the queue, long enough, while streams decode), lends the lane one of its threads for as long
 as it runs, and takes the result back between two steps; the request then joins the batch
-with its first token, as one whose KV came from a prefill worker does. The lane touches
+with its first token, as one whose KV came from a prefill worker does. While the lane is
+busy, the next prompt for it waits at the head of the queue rather than stall the streams in
+a step (and what arrived after it waits too): the streams' pace is kept, the prompts queue
+for one thread, as on a disaggregated pair's prefill worker. The lane touches
 nothing but its own runner (the shared model and KV tensors, read-only but for the request's
 own blocks); the KV manager keeps those blocks pinned so that an abort meanwhile cannot hand
 them to another request before the lane is done writing.
@@ -37,9 +40,11 @@ from engine.model_runner import ModelRunner
 from engine.scheduler_types import RunnerOutput, ScheduledSeq, SchedulerOutput
 
 # `tandem serve --prefill-lane-min-tokens` default, for colocated workers (the offline LLM has
-# no lane): prompts of about 1k tokens belong in the lane, and 250-token ones did as well
-# in the steps (README "The prefill lane").
-DEFAULT_PREFILL_LANE_MIN_TOKENS = 512
+# no lane). Measured on 2 cores (docs/benchmarks.md "The prefill lane"): 250-token prompts
+# belong in the lane as much as 1k-token ones (random 250/128 at 2.83 req/s: TPOT p90 36 ms
+# with the lane, 115 without). Below about 128 tokens a prompt costs a step little more than
+# its decodes do; the same cut as --local-prefill-max-tokens.
+DEFAULT_PREFILL_LANE_MIN_TOKENS = 128
 
 
 @dataclass(frozen=True, slots=True)

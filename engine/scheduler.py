@@ -69,6 +69,11 @@ class Scheduler:
         self.remote_kv_deadlines: dict[str, float] = {}  # request id -> monotonic deadline
         self.num_preemptions = 0
         self.step_budget = StepBudget(StepBudgetConfig(config.max_num_batched_tokens, config.max_step_ms))
+        # the prefill lane (engine/prefill_lane.py): the engine core sets these when it runs one.
+        # While the lane is busy, a prompt for it at the head of the queue waits for it rather
+        # than stall every decoding stream in the steps, and what queues behind it waits too.
+        self.lane_min_tokens: int | None = None
+        self.lane_busy = False
 
     # -- admission ---------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -131,32 +136,37 @@ class Scheduler:
         self.waiting.add_back(request)
         return True
 
-    def take_for_lane(self, min_tokens: int) -> ScheduledSeq | None:
-        """The next waiting prompt, whole, for the prefill lane (engine/prefill_lane.py), if it
-        is one: a fresh prompt (not preempted or resumed, no prompt logprobs, nothing to
-        export) with at least ``min_tokens`` tokens left to compute after its prefix-cache hit,
-        while streams are decoding (with none, a step of its own on every thread is faster)
-        and a sequence slot and its blocks are free. The queue keeps its order: only its head
-        is taken. The request then waits like one whose KV comes from elsewhere
+    def take_for_lane(self) -> ScheduledSeq | None:
+        """The next waiting prompt, whole, for the prefill lane (engine/prefill_lane.py), if the
+        head of the queue is one for it (``_lane_hit``) and a sequence slot and its blocks are
+        free. The request then waits like one whose KV comes from elsewhere
         (WAITING_FOR_REMOTE_KV, no deadline) until ``finish_remote_kv``."""
-        if not self.waiting or not self.running or len(self.running) >= self.config.max_num_seqs:
+        if not self.waiting or len(self.running) >= self.config.max_num_seqs:
             return None
         request = self.waiting.peek()
-        if (request.status is not RequestStatus.WAITING or request.output_token_ids or request.wants_prompt_logprobs
-                or request.kv_export_from is not None):
+        cached = self._lane_hit(request)
+        if cached is None or not self.kv.allocate_slots(request.request_id, request.num_prompt_tokens, cached):
             return None
-        cached = self.kv.find_cached_prefix(request)
         num_cached = len(cached) * self.kv.block_size
-        if request.num_prompt_tokens - num_cached < min_tokens:
-            return None
-        if not self.kv.allocate_slots(request.request_id, request.num_prompt_tokens, cached):
-            return None
         self.waiting.pop()
         self.kv.record_lookup(request.num_prompt_tokens, num_cached)
         request.num_cached_tokens = request.num_computed_tokens = num_cached
         request.status = RequestStatus.WAITING_FOR_REMOTE_KV
         self.waiting_for_remote_kv[request.request_id] = request
         return self._scheduled(request, request.num_prompt_tokens - num_cached)
+
+    def _lane_hit(self, request: Request) -> list[int] | None:
+        """Its prefix-cache hit if ``request`` is one for the lane, else None: this engine has
+        a lane (``lane_min_tokens``), streams are decoding (with none, a step of its own on
+        every thread is faster), and it is a fresh prompt (not preempted or resumed, no prompt
+        logprobs, nothing to export) with at least ``lane_min_tokens`` left to compute."""
+        if (self.lane_min_tokens is None or not self.running or request.status is not RequestStatus.WAITING
+                or request.output_token_ids or request.wants_prompt_logprobs or request.kv_export_from is not None):
+            return None
+        cached = self.kv.find_cached_prefix(request)
+        if request.num_prompt_tokens - len(cached) * self.kv.block_size < self.lane_min_tokens:
+            return None
+        return cached
 
     # -- one step ---------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -210,6 +220,8 @@ class Scheduler:
             request = self.waiting.peek()
             if before is not None and priority_key(request) >= priority_key(before):
                 return
+            if self.lane_busy and self._lane_hit(request) is not None:
+                return  # it waits for the lane
             cached = self.kv.find_cached_prefix(request) if request.num_computed_tokens == 0 else []
             num_cached = len(cached) * self.kv.block_size
             num_new = min(request.num_tokens - num_cached, step.budget, step.prompt_room)

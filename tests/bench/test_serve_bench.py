@@ -331,6 +331,12 @@ def test_contenders_are_chosen_by_name_and_vllm_runs_as_a_module(tmp_path):
     assert targets[0].command[-2:] == ["--max-step-ms", "150"] and targets[1].command[-2:] == ["--max-step-ms", "off"]
     with pytest.raises(ValueError, match="--colocated-step-ms"):
         default_contenders("m", "/weights", "float32", [], ["colocated"], colocated_step_ms=["0"])
+    lanes = default_contenders("m", "/weights", "float32", [], ["colocated"], colocated_lane_tokens=["512", "off"])
+    assert [c.name for c in lanes] == ["colocated-lane512", "colocated-laneoff"]
+    assert lanes[0].command[-2:] == ["--prefill-lane-min-tokens", "512"]
+    assert lanes[1].command[-2:] == ["--prefill-lane-min-tokens", "off"]
+    with pytest.raises(ValueError, match="--colocated-lane-tokens"):
+        default_contenders("m", "/weights", "float32", [], ["colocated"], colocated_lane_tokens=["-3"])
     with pytest.raises(ValueError, match="--vllm-python"):
         default_contenders("m", "/weights", "float32", [], ["vllm"])
     with pytest.raises(ValueError, match="unknown contenders"):

@@ -33,3 +33,26 @@ def test_out_of_range_values_are_refused_with_the_flag_named():
         config_of(["--orphan-timeout", "-1"])
     with pytest.raises(ValueError, match=r"--kv-transport \(or TANDEM_KV_TRANSPORT\) must be one of grpc, torch"):
         config_of([], {"TANDEM_KV_TRANSPORT": "carrier-pigeon"})
+
+
+def test_the_prefill_lane_flag_and_which_workers_get_it():
+    from cluster.placement import Mode
+    from cluster.serve import ServeCluster, ServePlan
+    from engine.prefill_lane import DEFAULT_PREFILL_LANE_MIN_TOKENS
+
+    assert config_of([]).prefill_lane_min_tokens == DEFAULT_PREFILL_LANE_MIN_TOKENS
+    assert config_of(["--prefill-lane-min-tokens", "off"]).prefill_lane_min_tokens is None
+    assert config_of(["--prefill-lane-min-tokens", "300"]).prefill_lane_min_tokens == 300
+    assert config_of([], {"TANDEM_PREFILL_LANE_MIN_TOKENS": "64"}).prefill_lane_min_tokens == 64
+    with pytest.raises(SystemExit):  # argparse names the flag and exits
+        config_of(["--prefill-lane-min-tokens", "-5"])
+
+    class Info:
+        model_dir = "/weights"
+
+    for mode, lane in ((Mode.COLOCATED, 300), (Mode.DISAGG, None)):  # a disaggregated decode worker has none
+        cluster = ServeCluster.__new__(ServeCluster)
+        cluster.config = config_of(["--prefill-lane-min-tokens", "300"])
+        cluster.info, cluster.chat_template = Info(), None
+        cluster.plan = ServePlan(mode, 2, {}, {}, 1024, "", "")
+        assert cluster.engine_args().prefill_lane_min_tokens == lane

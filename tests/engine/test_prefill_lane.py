@@ -121,20 +121,27 @@ def test_streams_decode_on_fewer_threads_while_the_lane_runs(lane_core):
         entered.set()
         assert release.wait(60)
 
-    wrap_lane(lane_core, hold)
+    seen = wrap_lane(lane_core, hold)
     streams = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     start_streams(lane_core, params=streams)
     lane_core.add_request(lane_core.make_request("long", long_prompt(4, 200), GREEDY))
     lane_core.step()
     assert entered.wait(30) and lane_core.lane.busy
     assert threads_in_lane == [1] and torch.get_num_threads() == 1  # the engine thread lent it one
+    # the next long prompt waits for the lane instead of stalling the streams, and so does
+    # what arrives after it
+    lane_core.add_request(lane_core.make_request("next", long_prompt(12, 150), GREEDY))
+    lane_core.add_request(lane_core.make_request("after", long_prompt(13, 10), GREEDY))
     decoded = []
     for _ in range(5):  # the streams go on while the lane holds its prompt
         decoded += [output.request_id for output in lane_core.step() if output.new_token_ids]
-    assert decoded.count("s0") == 5 and decoded.count("s1") == 5 and "long" not in decoded
+        assert lane_core.scheduler.requests["next"].num_computed_tokens == 0
+        assert lane_core.scheduler.requests["after"].num_computed_tokens == 0
+    assert decoded.count("s0") == 5 and decoded.count("s1") == 5 and set(decoded) == {"s0", "s1"}
     release.set()
     tokens = run(lane_core, [])
-    assert len(tokens["long"]) == GREEDY.max_tokens
+    assert len(tokens["long"]) == len(tokens["next"]) == len(tokens["after"]) == GREEDY.max_tokens
+    assert [request_id for request_id, _, _ in seen] == ["long", "next"]
     assert torch.get_num_threads() == 2  # the thread came back
 
 
@@ -193,20 +200,20 @@ def test_the_lane_takes_only_the_queue_head_when_it_is_a_fresh_long_prompt_and_s
     try:
         scheduler = core.scheduler
         core.add_request(core.make_request("alone", long_prompt(7, 100), GREEDY))
-        assert scheduler.take_for_lane(LANE_MIN) is None  # nothing decodes: the step takes it on every thread
+        assert scheduler.take_for_lane() is None  # nothing decodes: the step takes it on every thread
         run(core, [])
         start_streams(core)
         core.add_request(core.make_request("short", long_prompt(8, 20), GREEDY))
         core.add_request(core.make_request("long", long_prompt(9, 100), GREEDY))
-        assert scheduler.take_for_lane(LANE_MIN) is None  # the head is short; the long one keeps its turn
+        assert scheduler.take_for_lane() is None  # the head is short; the long one keeps its turn
         core.abort_request("short")
         logprobs = SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=1)
         core.abort_request("long")
         core.add_request(core.make_request("scored", long_prompt(10, 100), logprobs))
-        assert scheduler.take_for_lane(LANE_MIN) is None  # prompt logprobs are scored in the steps
+        assert scheduler.take_for_lane() is None  # prompt logprobs are scored in the steps
         core.abort_request("scored")
         core.add_request(core.make_request("long", long_prompt(9, 100), GREEDY))
-        seq = scheduler.take_for_lane(LANE_MIN)
+        seq = scheduler.take_for_lane()
         assert seq is not None and seq.request_id == "long" and seq.start_pos == 0 and len(seq.token_ids) == 100
         assert seq.sampling is not None and seq.sampling.position == 100
         assert scheduler.requests["long"].status.name == "WAITING_FOR_REMOTE_KV"
