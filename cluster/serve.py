@@ -234,7 +234,8 @@ class ServeCluster:
                           block_size=config.block_size, num_kv_blocks=config.num_kv_blocks,
                           max_num_seqs=config.max_num_seqs, gpu_memory_utilization=config.gpu_memory_utilization,
                           max_num_batched_tokens=config.max_num_batched_tokens, max_step_ms=config.max_step_ms,
-                          prefill_lane_min_tokens=lane, scheduling_policy=config.scheduling_policy,
+                          prefill_lane_min_tokens=lane, prefill_lane_max_wait_ms=config.prefill_lane_max_wait_ms,
+                          scheduling_policy=config.scheduling_policy,
                           num_threads=plan.worker_threads, chat_template=self.chat_template,
                           attention_backend=config.attention_backend, device=config.device,
                           served_model_name=config.name)

@@ -50,6 +50,16 @@ def _lane_tokens(value: str) -> int | None:
     return number
 
 
+def _lane_wait_ms(value: str) -> float | None:
+    if value.strip().lower() in ("off", "none"):
+        return None
+    number = float(value)
+    if not 0 <= number < float("inf"):  # NaN fails too
+        raise argparse.ArgumentTypeError(f"--prefill-lane-max-wait-ms must be a number of ms >= 0 or 'off', "
+                                         f"got {value!r}")
+    return number
+
+
 def _step_ms(value: str) -> float | None:
     if value.strip().lower() in ("off", "none", "0"):
         return None
@@ -132,6 +142,10 @@ class ServeConfig:
         "colocated workers with 2 or more threads: a prompt with at least this many tokens to compute, arriving "
         "while streams decode, is read on one thread of its own while the others keep decoding ('off': every "
         f"prompt shares the steps; default {DEFAULT_PREFILL_LANE_MIN_TOKENS}, measured: see README)")
+    prefill_lane_max_wait_ms: float | None = flag(
+        None, _lane_wait_ms, "while the prefill lane is busy, the next prompt for it waits for it at most this many "
+                             "ms after its arrival, then is read in the steps beside the streams ('off', the "
+                             "default: it waits for the lane)")
     max_queue: int = flag(256, int, "sequences (prompts x n) in flight before new requests get 429; tokenize "
                                     "calls count one")
     scheduling_policy: str = flag("fcfs", help="fcfs: arrival order everywhere; priority: requests run by their "

@@ -152,6 +152,9 @@ class SchedulerConfig:
     # a prompt with at least this many tokens to compute, arriving while streams decode, is
     # read on a thread of its own (engine/prefill_lane.py; CPU, two threads or more); None: off
     prefill_lane_min_tokens: int | None = None
+    # a prompt for the busy lane waits for it at most this long, then is read in the steps;
+    # None: as long as it takes
+    prefill_lane_max_wait_ms: float | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.policy, SchedulingPolicy):
@@ -162,6 +165,8 @@ class SchedulerConfig:
             raise ValueError(f"max_step_ms must be > 0 (or None), got {self.max_step_ms}")
         if self.prefill_lane_min_tokens is not None and self.prefill_lane_min_tokens < 1:
             raise ValueError(f"prefill_lane_min_tokens must be >= 1 (or None), got {self.prefill_lane_min_tokens}")
+        if self.prefill_lane_max_wait_ms is not None and not self.prefill_lane_max_wait_ms >= 0:
+            raise ValueError(f"prefill_lane_max_wait_ms must be >= 0 (or None), got {self.prefill_lane_max_wait_ms}")
 
 
 @dataclass(frozen=True, slots=True)

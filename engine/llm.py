@@ -193,6 +193,7 @@ workers build their engine from that with ``build_core()``, not through ``LLM``.
     max_num_batched_tokens: int = 8192
     max_step_ms: float | None = None  # --max-step-ms
     prefill_lane_min_tokens: int | None = None  # --prefill-lane-min-tokens (engine/prefill_lane.py)
+    prefill_lane_max_wait_ms: float | None = None  # --prefill-lane-max-wait-ms
     scheduling_policy: str = "fcfs"  # --scheduling-policy: fcfs | priority
     enable_prefix_caching: bool = True
     num_threads: int | None = None  # --worker-threads: each worker pins its own
@@ -229,7 +230,8 @@ workers build their engine from that with ``build_core()``, not through ``LLM``.
             cache=CacheConfig(self.block_size, self.num_kv_blocks, self.kv_cache_memory_bytes,
                               self.enable_prefix_caching, self.gpu_memory_utilization),
             scheduler=SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, self.max_step_ms,
-                                      SchedulingPolicy(self.scheduling_policy), self.prefill_lane_min_tokens),
+                                      SchedulingPolicy(self.scheduling_policy), self.prefill_lane_min_tokens,
+                                      self.prefill_lane_max_wait_ms),
             num_threads=self.num_threads,
             seed=self.seed,
             attention_backend=self.attention_backend,

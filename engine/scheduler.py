@@ -155,6 +155,11 @@ class Scheduler:
         self.waiting_for_remote_kv[request.request_id] = request
         return self._scheduled(request, request.num_prompt_tokens - num_cached)
 
+    def _waited_for_lane(self, request: Request) -> bool:
+        """It has waited ``prefill_lane_max_wait_ms`` since it arrived: the steps read it now."""
+        bound = self.config.prefill_lane_max_wait_ms
+        return bound is not None and (time.monotonic() - request.arrival_time) * 1000.0 >= bound
+
     def _lane_hit(self, request: Request) -> list[int] | None:
         """Its prefix-cache hit if ``request`` is one for the lane, else None: this engine has
         a lane (``lane_min_tokens``), streams are decoding (with none, a step of its own on
@@ -220,7 +225,7 @@ class Scheduler:
             request = self.waiting.peek()
             if before is not None and priority_key(request) >= priority_key(before):
                 return
-            if self.lane_busy and self._lane_hit(request) is not None:
+            if self.lane_busy and self._lane_hit(request) is not None and not self._waited_for_lane(request):
                 return  # it waits for the lane
             cached = self.kv.find_cached_prefix(request) if request.num_computed_tokens == 0 else []
             num_cached = len(cached) * self.kv.block_size

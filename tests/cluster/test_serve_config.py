@@ -56,3 +56,12 @@ def test_the_prefill_lane_flag_and_which_workers_get_it():
         cluster.info, cluster.chat_template = Info(), None
         cluster.plan = ServePlan(mode, 2, {}, {}, 1024, "", "")
         assert cluster.engine_args().prefill_lane_min_tokens == lane
+
+
+def test_the_prefill_lane_wait_bound():
+    assert config_of([]).prefill_lane_max_wait_ms is None
+    assert config_of(["--prefill-lane-max-wait-ms", "1500"]).prefill_lane_max_wait_ms == 1500.0
+    assert config_of(["--prefill-lane-max-wait-ms", "0"]).prefill_lane_max_wait_ms == 0.0
+    assert config_of(["--prefill-lane-max-wait-ms", "off"]).prefill_lane_max_wait_ms is None
+    with pytest.raises(SystemExit):
+        config_of(["--prefill-lane-max-wait-ms", "-1"])

@@ -266,3 +266,40 @@ def test_an_engine_loop_with_a_lane_serves_long_prompts_beside_streams(smollm_di
     assert len(tokens["long"]) == GREEDY.max_tokens and len(tokens["s0"]) == 200
     loop.core.check_integrity()
     assert loop.core.block_pool.num_free_blocks == loop.core.block_pool.num_blocks
+
+
+def test_a_prompt_waits_for_the_busy_lane_at_most_its_bound_then_the_steps_read_it(tiny_llama_dir):
+    core = build(tiny_llama_dir, LANE_MIN, max_model_len=512, prefill_lane_max_wait_ms=300)
+    release = threading.Event()
+    seen = wrap_lane(core, lambda: release.wait(60))
+    tokens: dict[str, list[int]] = {}
+
+    def step():
+        for output in core.step():
+            tokens.setdefault(output.request_id, []).extend(output.new_token_ids)
+
+    try:
+        start_streams(core, params=SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True))
+        core.add_request(core.make_request("long", long_prompt(14, 100), GREEDY))
+        step()  # the lane takes it and holds it
+        core.add_request(core.make_request("next", long_prompt(15, 100), GREEDY))
+        arrived = time.monotonic()
+        step()
+        assert core.scheduler.requests["next"].num_computed_tokens == 0  # waiting for the lane
+        while time.monotonic() - arrived < 0.3:
+            time.sleep(0.01)
+        step()
+        assert core.scheduler.requests["next"].num_computed_tokens >= 100  # read in the steps
+        release.set()
+        for request_id in ("s0", "s1"):
+            core.abort_request(request_id)
+        while core.has_unfinished_requests():
+            step()
+            time.sleep(0.001)
+        assert len(tokens["long"]) == len(tokens["next"]) == GREEDY.max_tokens
+        assert [request_id for request_id, _, _ in seen] == ["long"]
+        core.check_integrity()
+        assert core.block_pool.num_free_blocks == core.block_pool.num_blocks
+    finally:
+        release.set()
+        core.close()
