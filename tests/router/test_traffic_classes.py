@@ -157,6 +157,7 @@ def test_a_full_queue_sheds_the_newest_lower_class_request_for_a_higher_one(prio
 
 def test_a_shed_request_computes_nothing_and_is_counted(priority_server):
     url = priority_server.base_url
+    time.sleep(1.0)  # worker Stats are polled every 0.5 s: the last test's prompts are counted by now
     before_text = httpx.get(f"{url}/metrics").text
     computed = priority_server.metric("num_prompt_tokens_computed", "decode")
     responses = [completion(priority_server, {"prompt": f"[shed {i}] " + "words " * 200, "max_tokens": 4,
