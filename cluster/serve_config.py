@@ -18,7 +18,7 @@ from typing import Any
 from cluster.autoscale import PoolSize, pool_size
 from cluster.placement import MODES
 from engine.models.registry import DEFAULT_MODEL
-from engine.prefill_lane import DEFAULT_PREFILL_LANE_MIN_TOKENS
+from engine.prefill_lane import DEFAULT_PREFILL_LANE_MAX_WAIT_MS, DEFAULT_PREFILL_LANE_MIN_TOKENS
 from engine.step_budget import DEFAULT_MAX_STEP_MS
 from proto import worker_pb2
 
@@ -143,9 +143,10 @@ class ServeConfig:
         "while streams decode, is read on one thread of its own while the others keep decoding ('off': every "
         f"prompt shares the steps; default {DEFAULT_PREFILL_LANE_MIN_TOKENS}, measured: see README)")
     prefill_lane_max_wait_ms: float | None = flag(
-        None, _lane_wait_ms, "while the prefill lane is busy, the next prompt for it waits for it at most this many "
-                             "ms after its arrival, then is read in the steps beside the streams ('off', the "
-                             "default: it waits for the lane)")
+        DEFAULT_PREFILL_LANE_MAX_WAIT_MS, _lane_wait_ms,
+        "while the prefill lane is busy, the next prompt for it waits for it at most this many ms after its arrival, "
+        f"then is read in the steps beside the streams ('off': it waits for the lane; default "
+        f"{DEFAULT_PREFILL_LANE_MAX_WAIT_MS:g}, measured: see README)")
     max_queue: int = flag(256, int, "sequences (prompts x n) in flight before new requests get 429; tokenize "
                                     "calls count one")
     scheduling_policy: str = flag("fcfs", help="fcfs: arrival order everywhere; priority: requests run by their "

@@ -59,7 +59,9 @@ def test_the_prefill_lane_flag_and_which_workers_get_it():
 
 
 def test_the_prefill_lane_wait_bound():
-    assert config_of([]).prefill_lane_max_wait_ms is None
+    from engine.prefill_lane import DEFAULT_PREFILL_LANE_MAX_WAIT_MS
+
+    assert config_of([]).prefill_lane_max_wait_ms == DEFAULT_PREFILL_LANE_MAX_WAIT_MS
     assert config_of(["--prefill-lane-max-wait-ms", "1500"]).prefill_lane_max_wait_ms == 1500.0
     assert config_of(["--prefill-lane-max-wait-ms", "0"]).prefill_lane_max_wait_ms == 0.0
     assert config_of(["--prefill-lane-max-wait-ms", "off"]).prefill_lane_max_wait_ms is None
