@@ -137,7 +137,7 @@ class EngineCore:
         self.lane: PrefillLane | None = None
         if config.scheduler.prefill_lane_min_tokens is not None and device.type == "cpu" and self.num_threads >= 2:
             self.lane = PrefillLane(ModelRunner(self.model, self.kv_cache, backend))
-            self.scheduler.lane_min_tokens = config.scheduler.prefill_lane_min_tokens
+            self.scheduler.lane = self.lane
 
     def _gpu_kv_budget(self, device: torch.device) -> int:
         """KV bytes on this GPU, measured after the weights loaded (see gpu_kv_budget)."""
@@ -355,13 +355,11 @@ class EngineCore:
     def _lane_start(self) -> None:
         """Hand the lane the next long prompt, if it is idle and there is one; this thread
         lends it one of its threads while it runs."""
-        self.scheduler.lane_busy = self.lane.busy
         if self.lane.busy:
             return
         seq = self.scheduler.take_for_lane()
         if seq is None:
             return
-        self.scheduler.lane_busy = True
         self.kv_manager.pin(seq.request_id)
         times = self.scheduler.requests[seq.request_id].times
         times.scheduled = times.scheduled or time.monotonic()

@@ -6,7 +6,7 @@ beside the decoding streams stalls every stream for the whole prompt (or, chunke
 longer steps), and neither half gains the full second core: on 2 cores of an AVX-512 EPYC a
 decode step of 16 sequences takes 26.6 ms on two threads and 40.5 on one, a 1000-token
 prompt 680 ms on one. Run side by side, one thread each, they barely slow each other (the
-decode step 42.2 ms, the prompt 700-840 ms; docs/benchmarks.md "The prefill lane"), where
+decode step 42.2 ms, the prompt 674-1110 ms; docs/benchmarks.md "The prefill lane"), where
 taking turns stalls the streams. That is what a disaggregated pair does on shared cores,
 without the KV copy: the lane writes the prompt's KV straight into the blocks the scheduler
 reserved for it.

@@ -69,11 +69,10 @@ class Scheduler:
         self.remote_kv_deadlines: dict[str, float] = {}  # request id -> monotonic deadline
         self.num_preemptions = 0
         self.step_budget = StepBudget(StepBudgetConfig(config.max_num_batched_tokens, config.max_step_ms))
-        # the prefill lane (engine/prefill_lane.py): the engine core sets these when it runs one.
+        # the prefill lane (engine/prefill_lane.py), set by the engine core when it runs one.
         # While the lane is busy, a prompt for it at the head of the queue waits for it rather
         # than stall every decoding stream in the steps, and what queues behind it waits too.
-        self.lane_min_tokens: int | None = None
-        self.lane_busy = False
+        self.lane = None
 
     # -- admission ---------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -162,14 +161,14 @@ class Scheduler:
 
     def _lane_hit(self, request: Request) -> list[int] | None:
         """Its prefix-cache hit if ``request`` is one for the lane, else None: this engine has
-        a lane (``lane_min_tokens``), streams are decoding (with none, a step of its own on
-        every thread is faster), and it is a fresh prompt (not preempted or resumed, no prompt
-        logprobs, nothing to export) with at least ``lane_min_tokens`` left to compute."""
-        if (self.lane_min_tokens is None or not self.running or request.status is not RequestStatus.WAITING
+        a lane, streams are decoding (with none, a step of its own on every thread is faster),
+        and it is a fresh prompt (not preempted or resumed, no prompt logprobs, nothing to
+        export) with at least ``prefill_lane_min_tokens`` left to compute."""
+        if (self.lane is None or not self.running or request.status is not RequestStatus.WAITING
                 or request.output_token_ids or request.wants_prompt_logprobs or request.kv_export_from is not None):
             return None
         cached = self.kv.find_cached_prefix(request)
-        if request.num_prompt_tokens - len(cached) * self.kv.block_size < self.lane_min_tokens:
+        if request.num_prompt_tokens - len(cached) * self.kv.block_size < self.config.prefill_lane_min_tokens:
             return None
         return cached
 
@@ -225,7 +224,8 @@ class Scheduler:
             request = self.waiting.peek()
             if before is not None and priority_key(request) >= priority_key(before):
                 return
-            if self.lane_busy and self._lane_hit(request) is not None and not self._waited_for_lane(request):
+            if (self.lane is not None and self.lane.busy and not self._waited_for_lane(request)
+                    and self._lane_hit(request) is not None):
                 return  # it waits for the lane
             cached = self.kv.find_cached_prefix(request) if request.num_computed_tokens == 0 else []
             num_cached = len(cached) * self.kv.block_size
