@@ -75,7 +75,7 @@ def test_worker_dying_mid_stream_ends_the_stream_with_an_error_event(tiny_llama_
                 assert json.loads(first[6:])["choices"][0]["text"] is not None
                 # the decode worker dies while the stream runs: no grace for its streams, which
                 # on a fast CPU would finish all 400 tokens within the default second
-                worker.runtime.stop(grace_s=0)
+                worker.runtime.server.stop(grace_s=0)
                 events = [line[6:] for line in lines if line.startswith("data: ")]
             assert events[-1] == "[DONE]"
             error = json.loads(events[-2])["error"]
