@@ -93,6 +93,8 @@ class EngineCounters:
     num_kv_recomputed: int = 0  # remote KV failed or expired; the prompt was prefilled here
     num_kv_failed: int = 0  # remote KV failed or expired under the fail policy
     max_num_running: int = 0  # most sequences scheduled in one step
+    num_lane_prompts: int = 0  # prompts the prefill lane computed (engine/prefill_lane.py)
+    num_lane_prompt_tokens: int = 0  # their prompt positions (also in num_prompt_tokens_computed)
 
 
 class EngineCore:
@@ -379,6 +381,8 @@ class EngineCore:
         if request is None:
             return []  # aborted while the lane ran
         self.counters.num_prompt_tokens_computed += len(result.seq.token_ids)
+        self.counters.num_lane_prompts += 1
+        self.counters.num_lane_prompt_tokens += len(result.seq.token_ids)
         if result.error is not None:
             return [self._fail(request, f"the model step failed: {type(result.error).__name__}: {result.error}")]
         if request_id in result.output.failed:
