@@ -367,12 +367,13 @@ def table(result: CompareResult, reference: str) -> str:
 CONTENDERS = ("disagg", "colocated", "vllm", "transformers")
 
 
-def colocated_variants(budgets: list[int], step_ms: list[str],
-                       lane_tokens: list[str] = ()) -> list[tuple[str, list[str], str]]:
+def colocated_variants(budgets: list[int], step_ms: list[str], lane_tokens: list[str] = (),
+                       lane_wait_ms: list[str] = ()) -> list[tuple[str, list[str], str]]:
     """(name suffix, flags, description) of each colocated contender: one per token cap (chunked
     by tokens only), one per step target (``--max-step-ms``, a number or ``off``), one per
-    prefill-lane threshold (``--prefill-lane-min-tokens``, a number or ``off``); tandem's
-    defaults when none is given."""
+    prefill-lane threshold (``--prefill-lane-min-tokens``, a number or ``off``), one per bound
+    on a prompt's wait for the busy lane (``--prefill-lane-max-wait-ms``, a number or ``off``);
+    tandem's defaults when none is given."""
     variants = [(f"-{budget}", ["--max-num-batched-tokens", str(budget), "--max-step-ms", "off"],
                  f"chunked prefill {budget} tokens per step") for budget in budgets]
     for target in step_ms:
@@ -385,12 +386,19 @@ def colocated_variants(budgets: list[int], step_ms: list[str],
             raise ValueError(f"--colocated-lane-tokens takes token counts > 0 or off, got {tokens!r}")
         variants.append((f"-lane{tokens}", ["--prefill-lane-min-tokens", tokens],
                          "no prefill lane" if tokens == "off" else f"prompts of {tokens}+ tokens in the prefill lane"))
+    for wait in lane_wait_ms:
+        if wait != "off" and not (wait.replace(".", "", 1).isdigit() and float(wait) >= 0):
+            raise ValueError(f"--colocated-lane-wait-ms takes numbers >= 0 or off, got {wait!r}")
+        variants.append((f"-wait{wait}", ["--prefill-lane-max-wait-ms", wait],
+                         "prompts wait for the busy prefill lane without bound" if wait == "off"
+                         else f"prompts wait for the busy prefill lane at most {wait} ms"))
     return variants or [("", [], "its defaults")]
 
 
 def default_contenders(model: str, hf_dir: str, dtype: str, colocated_budgets: list[int], names: list[str],
                        vllm_python: str | None = None, colocated_step_ms: list[str] | None = None,
-                       colocated_lane_tokens: list[str] | None = None) -> list[Contender]:
+                       colocated_lane_tokens: list[str] | None = None,
+                       colocated_lane_wait_ms: list[str] | None = None) -> list[Contender]:
     unknown = [n for n in names if n not in CONTENDERS]
     if unknown:
         raise ValueError(f"unknown contenders {unknown} (choose from {', '.join(CONTENDERS)})")
@@ -405,7 +413,7 @@ def default_contenders(model: str, hf_dir: str, dtype: str, colocated_budgets: l
                 "tandem serve --mode disagg: 1 prefill + 1 decode worker, 1 thread each"))
         elif name == "colocated":
             for suffix, flags, what in colocated_variants(colocated_budgets, colocated_step_ms or [],
-                                                          colocated_lane_tokens or []):
+                                                          colocated_lane_tokens or [], colocated_lane_wait_ms or []):
                 flags = ["--mode", "colocated", "--decode-workers", "1", "--worker-threads", "2", *flags]
                 contenders.append(tandem_contender(f"colocated{suffix}", model, dtype, flags,
                                                    f"tandem serve --mode colocated: 1 worker, 2 threads, {what}"))
@@ -460,6 +468,9 @@ def add_compare_args(compare, default_model: str) -> None:
                          help="comma-separated --max-step-ms values (or off): one colocated contender each")
     compare.add_argument("--colocated-lane-tokens", default="",
                          help="comma-separated --prefill-lane-min-tokens values (or off): one colocated contender each")
+    compare.add_argument("--colocated-lane-wait-ms", default="",
+                         help="comma-separated --prefill-lane-max-wait-ms values (or off): one colocated contender "
+                              "each")
     compare.add_argument("--no-transformers", action="store_true", help="skip transformers serve")
     compare.add_argument("--traffic-mix", default=None, metavar="CLASS:SHARE,...",
                          help="traffic classes instead of a sweep: a baseline run of --traffic-baseline's requests "
@@ -493,7 +504,9 @@ def run_compare(args) -> int:
         return run_traffic_compare(args, hf_dir, names)
     step_ms = [t.strip() for t in args.colocated_step_ms.split(",") if t.strip()]
     lanes = [t.strip() for t in args.colocated_lane_tokens.split(",") if t.strip()]
-    contenders = default_contenders(args.model, hf_dir, args.dtype, budgets, names, args.vllm_python, step_ms, lanes)
+    waits = [t.strip() for t in args.colocated_lane_wait_ms.split(",") if t.strip()]
+    contenders = default_contenders(args.model, hf_dir, args.dtype, budgets, names, args.vllm_python, step_ms, lanes,
+                                    waits)
     calibration = make_dataset(args.dataset, 3, args.seed + 1000, spec)  # prompts of their own, same shape
     warm_up = make_dataset(args.dataset, args.warm_up, args.seed + 2000, spec)
     search = None

@@ -337,6 +337,13 @@ def test_contenders_are_chosen_by_name_and_vllm_runs_as_a_module(tmp_path):
     assert lanes[1].command[-2:] == ["--prefill-lane-min-tokens", "off"]
     with pytest.raises(ValueError, match="--colocated-lane-tokens"):
         default_contenders("m", "/weights", "float32", [], ["colocated"], colocated_lane_tokens=["-3"])
+    waits = default_contenders("m", "/weights", "float32", [], ["colocated"],
+                               colocated_lane_wait_ms=["0", "500", "off"])
+    assert [c.name for c in waits] == ["colocated-wait0", "colocated-wait500", "colocated-waitoff"]
+    assert [c.command[-2:] for c in waits] == [["--prefill-lane-max-wait-ms", w] for w in ("0", "500", "off")]
+    for bad in ("-1", "soon"):
+        with pytest.raises(ValueError, match="--colocated-lane-wait-ms"):
+            default_contenders("m", "/weights", "float32", [], ["colocated"], colocated_lane_wait_ms=[bad])
     with pytest.raises(ValueError, match="--vllm-python"):
         default_contenders("m", "/weights", "float32", [], ["vllm"])
     with pytest.raises(ValueError, match="unknown contenders"):
