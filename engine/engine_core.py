@@ -28,7 +28,7 @@ from engine.models.loader import load_model
 from engine.models.ops import select_ops
 from engine.outputs import FinishReason, Logprob, PositionLogprobs
 from engine.platform import resolve_device
-from engine.prefill_lane import PrefillLane
+from engine.prefill_lane import LaneResult, PrefillLane
 from engine.remote_kv import KVExport, KVExporter, KVFailurePolicy, KVImporter, PrefillTiming
 from engine.request import ErrorScope, Request, RequestStatus, RequestTimes
 from engine.request_queue import SchedulingPolicy
@@ -95,6 +95,7 @@ class EngineCounters:
     max_num_running: int = 0  # most sequences scheduled in one step
     num_lane_prompts: int = 0  # prompts the prefill lane computed (engine/prefill_lane.py)
     num_lane_prompt_tokens: int = 0  # their prompt positions (also in num_prompt_tokens_computed)
+    lane_busy_s: float = 0.0  # the lane's time computing prompts (those aborted meanwhile too)
 
 
 class EngineCore:
@@ -294,6 +295,8 @@ class EngineCore:
         detok = self._detokenizers.pop(request_id, None)
         self.kv_importer.drop(request_id)
         self.kv_exporter.close(request_id, FinishReason.ABORT)
+        if self.lane is not None:
+            self.lane.cancel(request_id)  # if it is still queued there, the lane skips it
         if request is None:
             return None
         request.times.finished = time.monotonic()
@@ -355,31 +358,34 @@ class EngineCore:
 
     # -- the prefill lane -------------------------------------------------------------------
     def _lane_start(self) -> None:
-        """Hand the lane the next long prompt, if it is idle and there is one; this thread
-        lends it one of its threads while it runs."""
-        if self.lane.busy:
-            return
-        seq = self.scheduler.take_for_lane()
-        if seq is None:
-            return
-        self.kv_manager.pin(seq.request_id)
-        times = self.scheduler.requests[seq.request_id].times
-        times.scheduled = times.scheduled or time.monotonic()
-        torch.set_num_threads(self.num_threads - self.lane.threads)
-        self.lane.submit(seq)
+        """Hand the lane the next long prompts while it has room and there are some; this
+        thread lends it one of its threads while it holds any."""
+        while self.lane.has_room:
+            seq = self.scheduler.take_for_lane()
+            if seq is None:
+                return
+            self.kv_manager.pin(seq.request_id)
+            torch.set_num_threads(self.num_threads - self.lane.threads)
+            self.lane.submit(seq)
 
     def _lane_finished(self) -> list[EngineCoreOutput]:
-        """The prompt the lane finished joins the batch with its first token (or fails
-        alone); its blocks go back to the pool if it ended meanwhile."""
-        result = self.lane.take_done()
-        if result is None:
-            return []
-        torch.set_num_threads(self.num_threads)
+        """The prompts the lane finished join the batch with their first token (or fail
+        alone); their blocks go back to the pool if they ended meanwhile."""
+        outputs = []
+        while (result := self.lane.take_done()) is not None:
+            outputs += self._lane_result(result)
+        if not self.lane.busy:
+            torch.set_num_threads(self.num_threads)
+        return outputs
+
+    def _lane_result(self, result: LaneResult) -> list[EngineCoreOutput]:
         request_id = result.seq.request_id
         self.kv_manager.unpin(request_id)
+        self.counters.lane_busy_s += result.elapsed_s  # aborted meanwhile or not
         request = self.scheduler.waiting_for_remote_kv.get(request_id)
         if request is None:
             return []  # aborted while the lane ran
+        request.times.scheduled = request.times.scheduled or result.started  # its prompt started computing
         self.counters.num_prompt_tokens_computed += len(result.seq.token_ids)
         self.counters.num_lane_prompts += 1
         self.counters.num_lane_prompt_tokens += len(result.seq.token_ids)

@@ -11,16 +11,17 @@ taking turns stalls the streams. That is what a disaggregated pair does on share
 without the KV copy: the lane writes the prompt's KV straight into the blocks the scheduler
 reserved for it.
 
-The engine thread hands over one prompt at a time (``Scheduler.take_for_lane``: the head of
-the queue, long enough, while streams decode), lends the lane one of its threads for as long
-as it runs, and takes the result back between two steps; the request then joins the batch
-with its first token, as one whose KV came from a prefill worker does. While the lane is
-busy, the next prompt for it waits at the head of the queue rather than stall the streams in
-a step (and what arrived after it waits too): the streams' pace is kept, the prompts queue
-for one thread, as on a disaggregated pair's prefill worker. The lane touches
-nothing but its own runner (the shared model and KV tensors, read-only but for the request's
-own blocks); the KV manager keeps those blocks pinned so that an abort meanwhile cannot hand
-them to another request before the lane is done writing.
+The engine thread hands over prompts (``Scheduler.take_for_lane``: the head of the queue,
+long enough, while streams decode; one computing and one queued behind it), lends the lane
+one of its threads for as long as it holds any, and takes the results back between two steps;
+each request then joins the batch with its first token, as one whose KV came from a prefill
+worker does. While the lane is full, the next prompt for it waits at the head of the queue
+rather than stall the streams in a step (and what arrived after it waits too): the streams'
+pace is kept, the prompts queue for one thread, as on a disaggregated pair's prefill worker.
+The lane touches nothing but its own runner (the shared model and KV tensors, read-only but
+for the request's own blocks); the KV manager keeps those blocks pinned so that an abort
+meanwhile cannot hand them to another request before the lane is done writing (a prompt
+aborted while still queued there is skipped).
 
 Kernels must not hold the GIL while they compute (engine/kernels: ``kNoGil``), or the two
 threads would take turns after all.
@@ -61,19 +62,29 @@ class LaneResult:
     output: RunnerOutput | None
     error: BaseException | None
     elapsed_s: float
+    started: float  # time.monotonic() when the lane started computing it
 
 
 class PrefillLane:
     """A thread that runs one whole-prompt forward at a time on ``runner`` (its own, over the
     engine's model and KV cache) with ``threads`` torch threads. ``submit`` and ``take_done``
     belong to the engine thread; ``on_done`` is called on the lane thread after each prompt
-    (e.g. to wake an idle engine loop)."""
+    (e.g. to wake an idle engine loop).
 
-    def __init__(self, runner: ModelRunner, threads: int = 1, on_done: Callable[[], None] | None = None) -> None:
+    Up to ``depth`` prompts may be submitted and not yet taken back: the one computing and
+    those queued behind it, so that the lane starts the next prompt the moment it finishes one
+    instead of idling until the engine thread ends its step and takes the result (up to a
+    whole step: 40-100 ms of decoding, 500 ms with a prompt chunk in it)."""
+
+    def __init__(self, runner: ModelRunner, threads: int = 1, on_done: Callable[[], None] | None = None,
+                 depth: int = 2) -> None:
         self.runner = runner
         self.threads = threads
         self.on_done = on_done
-        self.in_flight: str | None = None  # the request id being computed (the engine thread's view)
+        self.depth = depth
+        # request ids submitted and not yet taken back, in order (the engine thread's view)
+        self.pending: list[str] = []
+        self._cancelled: set[str] = set()  # pending ids the lane skips if it has not started them
         self._jobs: queue.SimpleQueue[ScheduledSeq | None] = queue.SimpleQueue()
         self._done: queue.SimpleQueue[LaneResult] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._main, name="prefill-lane", daemon=True)
@@ -81,21 +92,32 @@ class PrefillLane:
 
     @property
     def busy(self) -> bool:
-        return self.in_flight is not None
+        return bool(self.pending)
+
+    @property
+    def has_room(self) -> bool:
+        return len(self.pending) < self.depth
 
     def submit(self, seq: ScheduledSeq) -> None:
-        assert self.in_flight is None, "the lane computes one prompt at a time"
-        self.in_flight = seq.request_id
+        assert self.has_room, f"the lane holds at most {self.depth} prompts"
+        self.pending.append(seq.request_id)
         self._jobs.put(seq)
 
     def take_done(self) -> LaneResult | None:
-        """The prompt the lane finished, if it has (never blocks)."""
+        """The next prompt the lane finished, if it has (never blocks)."""
         try:
             result = self._done.get_nowait()
         except queue.Empty:
             return None
-        self.in_flight = None
+        self.pending.remove(result.seq.request_id)
+        self._cancelled.discard(result.seq.request_id)
         return result
+
+    def cancel(self, request_id: str) -> None:
+        """Its request ended: skip it if the lane has not started it (its result then has
+        neither output nor error). Its blocks stay pinned until the result is taken back."""
+        if request_id in self.pending:
+            self._cancelled.add(request_id)
 
     def stop(self, timeout_s: float = 10.0) -> None:
         self._jobs.put(None)
@@ -107,12 +129,15 @@ class PrefillLane:
             seq = self._jobs.get()
             if seq is None:
                 return
-            started = time.perf_counter()
+            started, clock = time.monotonic(), time.perf_counter()
             step = SchedulerOutput(seqs=[seq], num_batched_tokens=len(seq.token_ids), preempted_ids=[])
-            try:
-                result = LaneResult(seq, self.runner.execute(step), None, time.perf_counter() - started)
-            except Exception as exc:  # the engine thread fails this request alone
-                result = LaneResult(seq, None, exc, time.perf_counter() - started)
+            if seq.request_id in self._cancelled:
+                result = LaneResult(seq, None, None, 0.0, started)
+            else:
+                try:
+                    result = LaneResult(seq, self.runner.execute(step), None, time.perf_counter() - clock, started)
+                except Exception as exc:  # the engine thread fails this request alone
+                    result = LaneResult(seq, None, exc, time.perf_counter() - clock, started)
             self._done.put(result)
             if self.on_done is not None:
                 self.on_done()

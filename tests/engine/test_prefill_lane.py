@@ -128,20 +128,28 @@ def test_streams_decode_on_fewer_threads_while_the_lane_runs(lane_core):
     lane_core.step()
     assert entered.wait(30) and lane_core.lane.busy
     assert threads_in_lane == [1] and torch.get_num_threads() == 1  # the engine thread lent it one
-    # the next long prompt waits for the lane instead of stalling the streams, and so does
-    # what arrives after it
-    lane_core.add_request(lane_core.make_request("next", long_prompt(12, 150), GREEDY))
-    lane_core.add_request(lane_core.make_request("after", long_prompt(13, 10), GREEDY))
+    # the next long prompt is queued in the lane behind it (depth 2); the one after that waits
+    # at the head of the queue for the lane instead of stalling the streams, and so does what
+    # arrives after it
+    for request_id, length in (("next", 150), ("third", 120), ("after", 10)):
+        lane_core.add_request(lane_core.make_request(request_id, long_prompt(len(request_id), length), GREEDY))
     decoded = []
-    for _ in range(5):  # the streams go on while the lane holds its prompt
+    for _ in range(5):  # the streams go on while the lane holds its prompts
         decoded += [output.request_id for output in lane_core.step() if output.new_token_ids]
-        assert lane_core.scheduler.requests["next"].num_computed_tokens == 0
-        assert lane_core.scheduler.requests["after"].num_computed_tokens == 0
+        assert lane_core.lane.pending == ["long", "next"]
+        for request_id in ("next", "third", "after"):
+            assert lane_core.scheduler.requests[request_id].num_computed_tokens == 0
     assert decoded.count("s0") == 5 and decoded.count("s1") == 5 and set(decoded) == {"s0", "s1"}
     release.set()
-    tokens = run(lane_core, [])
-    assert len(tokens["long"]) == len(tokens["next"]) == len(tokens["after"]) == GREEDY.max_tokens
+    # the lane starts the queued prompt by itself, with no engine step between the two
+    deadline = time.monotonic() + 60
+    while len(seen) < 2:
+        assert time.monotonic() < deadline, "the lane did not start its queued prompt"
+        time.sleep(0.001)
     assert [request_id for request_id, _, _ in seen] == ["long", "next"]
+    tokens = run(lane_core, [])
+    assert all(len(tokens[r]) == GREEDY.max_tokens for r in ("long", "next", "third", "after"))
+    assert [request_id for request_id, _, _ in seen] == ["long", "next", "third"]
     assert torch.get_num_threads() == 2  # the thread came back
 
 
@@ -161,6 +169,22 @@ def test_an_abort_while_the_lane_writes_keeps_its_blocks_until_the_lane_is_done(
     release.set()
     tokens = run(lane_core, [])
     assert "long" not in tokens
+    assert lane_core.block_pool.num_free_blocks == lane_core.block_pool.num_blocks
+
+
+def test_an_abort_of_a_prompt_queued_in_the_lane_skips_it(lane_core):
+    release, entered = threading.Event(), threading.Event()
+    seen = wrap_lane(lane_core, lambda: (entered.set(), release.wait(60)))
+    start_streams(lane_core)
+    lane_core.add_request(lane_core.make_request("long", long_prompt(17, 200), GREEDY))
+    lane_core.add_request(lane_core.make_request("queued", long_prompt(18, 150), GREEDY))
+    lane_core.step()
+    assert entered.wait(30) and lane_core.lane.pending == ["long", "queued"]
+    assert lane_core.abort_request("queued").finish_reason == "abort"
+    release.set()
+    tokens = run(lane_core, [])
+    assert [request_id for request_id, _, _ in seen] == ["long"]  # never computed
+    assert "queued" not in tokens and len(tokens["long"]) == GREEDY.max_tokens
     assert lane_core.block_pool.num_free_blocks == lane_core.block_pool.num_blocks
 
 
@@ -282,6 +306,8 @@ def test_a_prompt_waits_for_the_busy_lane_at_most_its_bound_then_the_steps_read_
         start_streams(core, params=SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True))
         core.add_request(core.make_request("long", long_prompt(14, 100), GREEDY))
         step()  # the lane takes it and holds it
+        core.add_request(core.make_request("queued", long_prompt(16, 100), GREEDY))
+        step()  # queued in the lane behind it
         core.add_request(core.make_request("next", long_prompt(15, 100), GREEDY))
         arrived = time.monotonic()
         step()
@@ -290,14 +316,15 @@ def test_a_prompt_waits_for_the_busy_lane_at_most_its_bound_then_the_steps_read_
             time.sleep(0.01)
         step()
         assert core.scheduler.requests["next"].num_computed_tokens >= 100  # read in the steps
+        assert core.lane.pending == ["long", "queued"]
         release.set()
         for request_id in ("s0", "s1"):
             core.abort_request(request_id)
         while core.has_unfinished_requests():
             step()
             time.sleep(0.001)
-        assert len(tokens["long"]) == len(tokens["next"]) == GREEDY.max_tokens
-        assert [request_id for request_id, _, _ in seen] == ["long"]
+        assert len(tokens["long"]) == len(tokens["queued"]) == len(tokens["next"]) == GREEDY.max_tokens
+        assert [request_id for request_id, _, _ in seen] == ["long", "queued"]
         core.check_integrity()
         assert core.block_pool.num_free_blocks == core.block_pool.num_blocks
     finally:
