@@ -124,6 +124,35 @@ def stage_means_ms(before, after) -> dict[str, float] | None:
     return means
 
 
+LANE_FIELDS = ("num_lane_prompts", "num_lane_prompt_tokens", "lane_busy_ms")
+
+
+def lane_totals(base_url: str) -> dict[str, float] | None:
+    """The decode workers' prefill-lane counters (engine/prefill_lane.py) from tandem's
+    /metrics, summed; None for a server without them."""
+    import httpx
+
+    try:
+        samples = metric_samples(base_url)
+    except (httpx.HTTPError, ValueError):
+        return None
+    totals = {name: sum(s.value for s in samples if s.name == f"tandem:worker_{name}" and s.labels.get("role") == "decode")
+              for name in LANE_FIELDS}
+    return totals if any(s.name == "tandem:worker_lane_busy_ms" for s in samples) else None
+
+
+def lane_profile(before, after, duration_s: float) -> dict[str, float] | None:
+    """What the prefill lane did between two ``lane_totals`` of a run: the prompts it took,
+    their tokens, its ms per prompt, and the share of the run it was computing."""
+    if not before or not after or duration_s <= 0:
+        return None
+    delta = {name: after[name] - before[name] for name in LANE_FIELDS}
+    prompts = delta["num_lane_prompts"]
+    return {"prompts": prompts, "tokens": delta["num_lane_prompt_tokens"],
+            "ms_per_prompt": delta["lane_busy_ms"] / prompts if prompts else 0.0,
+            "busy_share": delta["lane_busy_ms"] / 1000 / duration_s}
+
+
 def unloaded_decode_step_ms(base_url: str, model: str, requests: list[BenchRequest]) -> float:
     """Median TPOT of ``requests`` sent one at a time: the decode step with nothing else
     running, at the workload's own context lengths (a 1k-token context makes each step read
@@ -266,10 +295,11 @@ def compare(contenders: list[Contender], workloads: list[list[BenchRequest]], ra
 
             def measure(rate: float, requests: list[BenchRequest]) -> dict:
                 config = LoadConfig(base_url, contender.model, rate, seed=seed, ignore_eos=ignore_eos)
-                stages_before = stage_totals(base_url)
+                stages_before, lane_before = stage_totals(base_url), lane_totals(base_url)
                 results, duration = asyncio.run(run_load(config, requests, progress=f"{contender.name} @ {rate:.3g}/s"))
                 summary = summarize(results, duration, slo_ttft_ms, slo_tpot_ms)
                 summary["stages_ms"] = stage_means_ms(stages_before, stage_totals(base_url))
+                summary["lane"] = lane_profile(lane_before, lane_totals(base_url), duration)
                 runs[contender.name][rate] = summary
                 say(_line(contender.name, rate, summary))
                 return summary
@@ -329,6 +359,10 @@ def _line(name: str, rate: float, s: dict) -> str:
     stages = s.get("stages_ms")
     where = ("\n" + " " * 16 + "mean per stage: " + ", ".join(f"{k} {v:.0f} ms" for k, v in stages.items())
              if stages else "")
+    lane = s.get("lane")
+    if lane:
+        where += (f"\n{' ' * 16}prefill lane: {lane['prompts']:.0f} of {s['num_requests']} prompts, "
+                  f"{lane['ms_per_prompt']:.0f} ms each, computing {lane['busy_share']:.0%} of the run")
     return (f"{name:>14} @ {rate:g} req/s: goodput {s['goodput']:.3f} req/s, p99 ITL {_ms(s['itl_ms']['p99'])}, "
             f"p90 TTFT {_ms(s['ttft_ms']['p90'])}, {s['output_token_throughput']:.1f} tok/s, "
             f"{s['completed']}/{s['num_requests']} ok{where}")

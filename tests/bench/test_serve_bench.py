@@ -247,6 +247,17 @@ def test_stage_means_come_from_the_metrics_delta():
     assert stage_means_ms(before, None) is None
 
 
+def test_the_lane_profile_of_a_run_is_the_difference_of_its_counters():
+    from bench.compare import lane_profile
+
+    before = {"num_lane_prompts": 4, "num_lane_prompt_tokens": 1000, "lane_busy_ms": 2000}
+    after = {"num_lane_prompts": 10, "num_lane_prompt_tokens": 2500, "lane_busy_ms": 5000}
+    profile = lane_profile(before, after, duration_s=6.0)
+    assert profile == pytest.approx({"prompts": 6, "tokens": 1500, "ms_per_prompt": 500.0, "busy_share": 0.5})
+    assert lane_profile(after, after, 6.0)["ms_per_prompt"] == 0.0  # nothing went through the lane
+    assert lane_profile(None, after, 6.0) is None and lane_profile(before, after, 0.0) is None
+
+
 def test_a_vllm_bench_serve_command_line_runs_unchanged(scripted_server, tmp_path, capsys):
     """`vllm bench serve`'s flags as a vLLM user writes them: base URL without /v1, endpoint,
     random dataset lengths, goodput SLOs, saved vLLM-shaped results."""

@@ -455,5 +455,9 @@ def test_a_long_prompt_arriving_mid_stream_goes_through_the_prefill_lane(smollm_
         wait_until(lambda: server.metric("num_lane_prompts", "decode") > lane_prompts, what="the lane in Stats")
         assert server.metric("num_lane_prompts", "decode") == lane_prompts + 1  # the long prompt alone
         assert server.metric("num_lane_prompt_tokens", "decode") == lane_tokens + num_long
+        from bench.compare import lane_totals
+
+        totals = lane_totals(f"{server.base_url}/v1")  # what `tandem bench compare` reads of it
+        assert totals["num_lane_prompts"] == lane_prompts + 1 and 0 < totals["lane_busy_ms"] < 60_000
     finally:
         server.stop()
