@@ -360,7 +360,7 @@ def _line(name: str, rate: float, s: dict) -> str:
     where = ("\n" + " " * 16 + "mean per stage: " + ", ".join(f"{k} {v:.0f} ms" for k, v in stages.items())
              if stages else "")
     lane = s.get("lane")
-    if lane:
+    if lane and lane["prompts"]:  # a server with a lane that took prompts (not disagg's decode workers)
         where += (f"\n{' ' * 16}prefill lane: {lane['prompts']:.0f} of {s['num_requests']} prompts, "
                   f"{lane['ms_per_prompt']:.0f} ms each, computing {lane['busy_share']:.0%} of the run")
     return (f"{name:>14} @ {rate:g} req/s: goodput {s['goodput']:.3f} req/s, p99 ITL {_ms(s['itl_ms']['p99'])}, "
