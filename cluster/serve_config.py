@@ -144,7 +144,7 @@ class ServeConfig:
         f"prompt shares the steps; default {DEFAULT_PREFILL_LANE_MIN_TOKENS}, measured: see README)")
     prefill_lane_max_wait_ms: float | None = flag(
         DEFAULT_PREFILL_LANE_MAX_WAIT_MS, _lane_wait_ms,
-        "while the prefill lane is busy, the next prompt for it waits for it at most this many ms after its arrival, "
+        "while the prefill lane is full, the next prompt for it waits for it at most this many ms after its arrival, "
         f"then is read in the steps beside the streams ('off': it waits for the lane; default "
         f"{DEFAULT_PREFILL_LANE_MAX_WAIT_MS:g}, measured: see README)")
     max_queue: int = flag(256, int, "sequences (prompts x n) in flight before new requests get 429; tokenize "

@@ -46,10 +46,12 @@ from engine.scheduler_types import RunnerOutput, ScheduledSeq, SchedulerOutput
 # with the lane, 115 without). Below about 128 tokens a prompt costs a step little more than
 # its decodes do; the same cut as --local-prefill-max-tokens.
 DEFAULT_PREFILL_LANE_MIN_TOKENS = 128
-# `--prefill-lane-max-wait-ms` default: how long a prompt waits for the busy lane before the
-# steps read it. Without a bound the lane's one thread is the prefill capacity, and TTFT grows
-# without limit past it; with 2000 ms, on the same requests (docs/benchmarks.md "The prefill
-# lane"), long-prompt at 1.68 req/s met the SLOs for 50 of 51 (43 unbounded) and random at
+# `--prefill-lane-max-wait-ms` default: how long a prompt waits for the full lane before the
+# steps read it. Lower bounds cost capacity (random 250/128 on the family-25 EPYC: 2.32 req/s
+# with 2000 ms, 1.79 with 500 and with 0; docs/benchmarks.md "The prefill lane on the AVX-512
+# EPYC of family 25"). Without a bound the lane's one thread is the prefill capacity, and TTFT
+# grows without limit past it; with 2000 ms, on the same requests (docs/benchmarks.md "The
+# prefill lane"), long-prompt at 1.68 req/s met the SLOs for 50 of 51 (43 unbounded) and random at
 # 4.36 req/s for 131 of 131 (74), at a higher ITL p99 (402 against 40 ms at 1.41 req/s).
 DEFAULT_PREFILL_LANE_MAX_WAIT_MS = 2000.0
 
