@@ -93,7 +93,7 @@ class EngineCounters:
     num_kv_recomputed: int = 0  # remote KV failed or expired; the prompt was prefilled here
     num_kv_failed: int = 0  # remote KV failed or expired under the fail policy
     max_num_running: int = 0  # most sequences scheduled in one step
-    num_lane_prompts: int = 0  # prompts the prefill lane computed (engine/prefill_lane.py)
+    num_lane_prompts: int = 0  # prompts the prefill lane computed for requests still there (engine/prefill_lane.py)
     num_lane_prompt_tokens: int = 0  # their prompt positions (also in num_prompt_tokens_computed)
     lane_busy_s: float = 0.0  # the lane's time computing prompts (those aborted meanwhile too)
 
@@ -360,13 +360,11 @@ class EngineCore:
     def _lane_start(self) -> None:
         """Hand the lane the next long prompts while it has room and there are some; this
         thread lends it one of its threads while it holds any."""
-        while self.lane.has_room:
-            seq = self.scheduler.take_for_lane()
-            if seq is None:
-                return
+        while self.lane.has_room and (seq := self.scheduler.take_for_lane()) is not None:
             self.kv_manager.pin(seq.request_id)
-            torch.set_num_threads(self.num_threads - self.lane.threads)
             self.lane.submit(seq)
+        if self.lane.busy:
+            torch.set_num_threads(self.num_threads - self.lane.threads)
 
     def _lane_finished(self) -> list[EngineCoreOutput]:
         """The prompts the lane finished join the batch with their first token (or fail

@@ -132,10 +132,10 @@ class PrefillLane:
             if seq is None:
                 return
             started, clock = time.monotonic(), time.perf_counter()
-            step = SchedulerOutput(seqs=[seq], num_batched_tokens=len(seq.token_ids), preempted_ids=[])
             if seq.request_id in self._cancelled:
                 result = LaneResult(seq, None, None, 0.0, started)
             else:
+                step = SchedulerOutput(seqs=[seq], num_batched_tokens=len(seq.token_ids), preempted_ids=[])
                 try:
                     result = LaneResult(seq, self.runner.execute(step), None, time.perf_counter() - clock, started)
                 except Exception as exc:  # the engine thread fails this request alone
