@@ -402,12 +402,12 @@ CONTENDERS = ("disagg", "colocated", "vllm", "transformers")
 
 
 def colocated_variants(budgets: list[int], step_ms: list[str], lane_tokens: list[str] = (),
-                       lane_wait_ms: list[str] = ()) -> list[tuple[str, list[str], str]]:
+                       lane_wait_ms: list[str] = (), lane_policies: list[str] = ()) -> list[tuple[str, list[str], str]]:
     """(name suffix, flags, description) of each colocated contender: one per token cap (chunked
     by tokens only), one per step target (``--max-step-ms``, a number or ``off``), one per
     prefill-lane threshold (``--prefill-lane-min-tokens``, a number or ``off``), one per bound
-    on a prompt's wait for the busy lane (``--prefill-lane-max-wait-ms``, a number or ``off``);
-    tandem's defaults when none is given."""
+    on a prompt's wait for the busy lane (``--prefill-lane-max-wait-ms``, a number or ``off``),
+    one per lane policy (``--prefill-lane-policy``); tandem's defaults when none is given."""
     variants = [(f"-{budget}", ["--max-num-batched-tokens", str(budget), "--max-step-ms", "off"],
                  f"chunked prefill {budget} tokens per step") for budget in budgets]
     for target in step_ms:
@@ -426,13 +426,20 @@ def colocated_variants(budgets: list[int], step_ms: list[str], lane_tokens: list
         variants.append((f"-wait{wait}", ["--prefill-lane-max-wait-ms", wait],
                          "prompts wait for the busy prefill lane without bound" if wait == "off"
                          else f"prompts wait for the busy prefill lane at most {wait} ms"))
+    from engine.config import LANE_POLICIES
+
+    for policy in lane_policies:
+        if policy not in LANE_POLICIES:
+            raise ValueError(f"--colocated-lane-policy takes {', '.join(LANE_POLICIES)}, got {policy!r}")
+        variants.append((f"-{policy}", ["--prefill-lane-policy", policy], f"prefill lane policy {policy}"))
     return variants or [("", [], "its defaults")]
 
 
 def default_contenders(model: str, hf_dir: str, dtype: str, colocated_budgets: list[int], names: list[str],
                        vllm_python: str | None = None, colocated_step_ms: list[str] | None = None,
                        colocated_lane_tokens: list[str] | None = None,
-                       colocated_lane_wait_ms: list[str] | None = None) -> list[Contender]:
+                       colocated_lane_wait_ms: list[str] | None = None,
+                       colocated_lane_policies: list[str] | None = None) -> list[Contender]:
     unknown = [n for n in names if n not in CONTENDERS]
     if unknown:
         raise ValueError(f"unknown contenders {unknown} (choose from {', '.join(CONTENDERS)})")
@@ -447,7 +454,8 @@ def default_contenders(model: str, hf_dir: str, dtype: str, colocated_budgets: l
                 "tandem serve --mode disagg: 1 prefill + 1 decode worker, 1 thread each"))
         elif name == "colocated":
             for suffix, flags, what in colocated_variants(colocated_budgets, colocated_step_ms or [],
-                                                          colocated_lane_tokens or [], colocated_lane_wait_ms or []):
+                                                          colocated_lane_tokens or [], colocated_lane_wait_ms or [],
+                                                          colocated_lane_policies or []):
                 flags = ["--mode", "colocated", "--decode-workers", "1", "--worker-threads", "2", *flags]
                 contenders.append(tandem_contender(f"colocated{suffix}", model, dtype, flags,
                                                    f"tandem serve --mode colocated: 1 worker, 2 threads, {what}"))
@@ -505,6 +513,9 @@ def add_compare_args(compare, default_model: str) -> None:
     compare.add_argument("--colocated-lane-wait-ms", default="",
                          help="comma-separated --prefill-lane-max-wait-ms values (or off): one colocated contender "
                               "each")
+    compare.add_argument("--colocated-lane-policy", default="",
+                         help="comma-separated --prefill-lane-policy values (first, overflow): one colocated contender "
+                              "each")
     compare.add_argument("--no-transformers", action="store_true", help="skip transformers serve")
     compare.add_argument("--traffic-mix", default=None, metavar="CLASS:SHARE,...",
                          help="traffic classes instead of a sweep: a baseline run of --traffic-baseline's requests "
@@ -539,8 +550,9 @@ def run_compare(args) -> int:
     step_ms = [t.strip() for t in args.colocated_step_ms.split(",") if t.strip()]
     lanes = [t.strip() for t in args.colocated_lane_tokens.split(",") if t.strip()]
     waits = [t.strip() for t in args.colocated_lane_wait_ms.split(",") if t.strip()]
+    policies = [t.strip() for t in args.colocated_lane_policy.split(",") if t.strip()]
     contenders = default_contenders(args.model, hf_dir, args.dtype, budgets, names, args.vllm_python, step_ms, lanes,
-                                    waits)
+                                    waits, policies)
     calibration = make_dataset(args.dataset, 3, args.seed + 1000, spec)  # prompts of their own, same shape
     warm_up = make_dataset(args.dataset, args.warm_up, args.seed + 2000, spec)
     search = None

@@ -17,8 +17,13 @@ from typing import Any
 
 from cluster.autoscale import PoolSize, pool_size
 from cluster.placement import MODES
+from engine.config import LANE_POLICIES
 from engine.models.registry import DEFAULT_MODEL
-from engine.prefill_lane import DEFAULT_PREFILL_LANE_MAX_WAIT_MS, DEFAULT_PREFILL_LANE_MIN_TOKENS
+from engine.prefill_lane import (
+    DEFAULT_PREFILL_LANE_MAX_WAIT_MS,
+    DEFAULT_PREFILL_LANE_MIN_TOKENS,
+    DEFAULT_PREFILL_LANE_POLICY,
+)
 from engine.step_budget import DEFAULT_MAX_STEP_MS
 from proto import worker_pb2
 
@@ -147,6 +152,13 @@ class ServeConfig:
         "while the prefill lane is full, the next prompt for it waits for it at most this many ms after its arrival, "
         f"then is read in the steps beside the streams ('off': it waits for the lane; default "
         f"{DEFAULT_PREFILL_LANE_MAX_WAIT_MS:g}, measured: see README)")
+    prefill_lane_policy: str = flag(
+        DEFAULT_PREFILL_LANE_POLICY, choices=LANE_POLICIES,
+        help="which prompts the prefill lane takes. first: every prompt long enough that arrives while streams "
+             "decode (the streams keep their pace; a prompt's first token waits for the lane's one thread). "
+             "overflow: a lone prompt is read in the steps on every thread, beside the streams, and the lane takes "
+             "a prompt only while other prefill work is under way (the lane busy, another request waiting, a "
+             f"prompt being read in chunks); default {DEFAULT_PREFILL_LANE_POLICY}, measured: see README")
     max_queue: int = flag(256, int, "sequences (prompts x n) in flight before new requests get 429; tokenize "
                                     "calls count one")
     scheduling_policy: str = flag("fcfs", help="fcfs: arrival order everywhere; priority: requests run by their "

@@ -13,6 +13,9 @@ import torch
 
 from engine.request_queue import SchedulingPolicy
 
+# which prompts the prefill lane takes (engine/prefill_lane.py, `--prefill-lane-policy`)
+LANE_POLICIES = ("first", "overflow")
+
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -155,6 +158,9 @@ class SchedulerConfig:
     # a prompt for the busy lane waits for it at most this long, then is read in the steps;
     # None: as long as it takes
     prefill_lane_max_wait_ms: float | None = None
+    # which prompts the lane takes (LANE_POLICIES): "first", every one
+    # long enough; "overflow", only those that find prefill work already under way
+    prefill_lane_policy: str = "first"
 
     def __post_init__(self) -> None:
         if not isinstance(self.policy, SchedulingPolicy):
@@ -167,6 +173,9 @@ class SchedulerConfig:
             raise ValueError(f"prefill_lane_min_tokens must be >= 1 (or None), got {self.prefill_lane_min_tokens}")
         if self.prefill_lane_max_wait_ms is not None and not self.prefill_lane_max_wait_ms >= 0:
             raise ValueError(f"prefill_lane_max_wait_ms must be >= 0 (or None), got {self.prefill_lane_max_wait_ms}")
+        if self.prefill_lane_policy not in LANE_POLICIES:
+            raise ValueError(f"prefill_lane_policy must be one of {', '.join(LANE_POLICIES)}, "
+                             f"got {self.prefill_lane_policy!r}")
 
 
 @dataclass(frozen=True, slots=True)

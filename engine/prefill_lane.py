@@ -12,7 +12,8 @@ without the KV copy: the lane writes the prompt's KV straight into the blocks th
 reserved for it.
 
 The engine thread hands over prompts (``Scheduler.take_for_lane``: the head of the queue,
-long enough, while streams decode; one computing and one queued behind it), lends the lane
+long enough, while streams decode, and under the ``overflow`` policy only while other prefill
+work is under way; one computing and one queued behind it), lends the lane
 one of its threads for as long as it holds any, and takes the results back between two steps;
 each request then joins the batch with its first token, as one whose KV came from a prefill
 worker does. While the lane is full, the next prompt for it waits at the head of the queue
@@ -54,6 +55,15 @@ DEFAULT_PREFILL_LANE_MIN_TOKENS = 128
 # prefill lane"), long-prompt at 1.68 req/s met the SLOs for 50 of 51 (43 unbounded) and random at
 # 4.36 req/s for 131 of 131 (74), at a higher ITL p99 (402 against 40 ms at 1.41 req/s).
 DEFAULT_PREFILL_LANE_MAX_WAIT_MS = 2000.0
+# `--prefill-lane-policy` default: which prompts the lane takes. "first": every prompt long
+# enough that reaches the head of the queue while streams decode; the streams keep their pace
+# and a prompt's TTFT is the lane's one thread (a 1k-token prompt in 1.7 s on the family-25
+# EPYC, where vLLM's TTFT p90 at its capacity was 1.6 s). "overflow": the steps read a lone
+# prompt on every thread, chunked beside the streams, and the lane takes a prompt only when
+# prefill work is already under way (the lane busy, another request waiting, a chunked prompt
+# running): TTFT near vLLM's at its capacity rate, with the streams stalled by one prompt at a
+# time (docs/benchmarks.md "The prefill lane's policy").
+DEFAULT_PREFILL_LANE_POLICY = "first"
 
 
 @dataclass(frozen=True, slots=True)

@@ -163,14 +163,24 @@ class Scheduler:
         """Its prefix-cache hit if ``request`` is one for the lane, else None: this engine has
         a lane, streams are decoding (with none, a step of its own on every thread is faster),
         and it is a fresh prompt (not preempted or resumed, no prompt logprobs, nothing to
-        export) with at least ``prefill_lane_min_tokens`` left to compute."""
+        export) with at least ``prefill_lane_min_tokens`` left to compute. Under the
+        ``overflow`` policy it must also find prefill work under way (``_prefill_pressure``):
+        a lone prompt is read faster in the steps, on every thread."""
         if (self.lane is None or not self.running or request.status is not RequestStatus.WAITING
                 or request.output_token_ids or request.wants_prompt_logprobs or request.kv_export_from is not None):
+            return None
+        if self.config.prefill_lane_policy == "overflow" and not self._prefill_pressure():
             return None
         cached = self.kv.find_cached_prefix(request)
         if request.num_prompt_tokens - len(cached) * self.kv.block_size < self.config.prefill_lane_min_tokens:
             return None
         return cached
+
+    def _prefill_pressure(self) -> bool:
+        """Prefill work beside the head of the queue: the lane holds a prompt, another request
+        waits, or a running request still has prompt tokens to compute (a chunked prompt)."""
+        return (self.lane.busy or len(self.waiting) > 1
+                or any(r.num_tokens - r.num_computed_tokens > 1 for r in self.running))
 
     # -- one step ---------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:

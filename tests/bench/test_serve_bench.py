@@ -355,6 +355,12 @@ def test_contenders_are_chosen_by_name_and_vllm_runs_as_a_module(tmp_path):
     for bad in ("-1", "soon"):
         with pytest.raises(ValueError, match="--colocated-lane-wait-ms"):
             default_contenders("m", "/weights", "float32", [], ["colocated"], colocated_lane_wait_ms=[bad])
+    policies = default_contenders("m", "/weights", "float32", [], ["colocated"],
+                                  colocated_lane_policies=["first", "overflow"])
+    assert [c.name for c in policies] == ["colocated-first", "colocated-overflow"]
+    assert [c.command[-2:] for c in policies] == [["--prefill-lane-policy", p] for p in ("first", "overflow")]
+    with pytest.raises(ValueError, match="--colocated-lane-policy"):
+        default_contenders("m", "/weights", "float32", [], ["colocated"], colocated_lane_policies=["sometimes"])
     with pytest.raises(ValueError, match="--vllm-python"):
         default_contenders("m", "/weights", "float32", [], ["vllm"])
     with pytest.raises(ValueError, match="unknown contenders"):

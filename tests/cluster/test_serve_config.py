@@ -67,3 +67,24 @@ def test_the_prefill_lane_wait_bound():
     assert config_of(["--prefill-lane-max-wait-ms", "off"]).prefill_lane_max_wait_ms is None
     with pytest.raises(SystemExit):
         config_of(["--prefill-lane-max-wait-ms", "-1"])
+
+
+def test_the_prefill_lane_policy_flag_reaches_the_engine():
+    from cluster.placement import Mode
+    from cluster.serve import ServeCluster, ServePlan
+    from engine.prefill_lane import DEFAULT_PREFILL_LANE_POLICY
+
+    assert config_of([]).prefill_lane_policy == DEFAULT_PREFILL_LANE_POLICY
+    assert config_of(["--prefill-lane-policy", "overflow"]).prefill_lane_policy == "overflow"
+    assert config_of([], {"TANDEM_PREFILL_LANE_POLICY": "overflow"}).prefill_lane_policy == "overflow"
+    with pytest.raises(SystemExit):
+        config_of(["--prefill-lane-policy", "sometimes"])
+
+    class Info:
+        model_dir = "/weights"
+
+    cluster = ServeCluster.__new__(ServeCluster)
+    cluster.config = config_of(["--prefill-lane-policy", "overflow"])
+    cluster.info, cluster.chat_template = Info(), None
+    cluster.plan = ServePlan(Mode.COLOCATED, 2, {}, {}, 1024, "", "")
+    assert cluster.engine_args().prefill_lane_policy == "overflow"

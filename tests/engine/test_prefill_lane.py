@@ -330,3 +330,81 @@ def test_a_prompt_waits_for_the_busy_lane_at_most_its_bound_then_the_steps_read_
     finally:
         release.set()
         core.close()
+
+
+def test_the_overflow_policy_reads_a_lone_prompt_in_the_steps_and_gives_the_lane_what_overflows(tiny_llama_dir):
+    # prompts of 100 tokens in steps of at most 48: a prompt read in the steps takes several
+    core = build(tiny_llama_dir, LANE_MIN, max_model_len=512, prefill_lane_policy="overflow",
+                 max_num_batched_tokens=48)
+    release = threading.Event()
+    seen = wrap_lane(core, lambda: release.wait(60))
+    streams = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
+    prompts = {name: long_prompt(20 + index, 100) for index, name in enumerate(("alone", "second", "third", "fourth"))}
+    tokens: dict[str, list[int]] = {}
+
+    def step():
+        for output in core.step():
+            assert output.error is None, output.error
+            tokens.setdefault(output.request_id, []).extend(output.new_token_ids)
+
+    try:
+        tokens.update(start_streams(core, params=streams))
+        core.add_request(core.make_request("alone", prompts["alone"], GREEDY))
+        step()  # nothing else waits for prefill: the steps read it, in chunks
+        assert core.lane.pending == [] and 0 < core.scheduler.requests["alone"].num_computed_tokens < 100
+        core.add_request(core.make_request("second", prompts["second"], GREEDY))
+        step()  # a prompt is being read in the steps: the next one overflows into the lane
+        assert core.lane.pending == ["second"]
+        core.add_request(core.make_request("third", prompts["third"], GREEDY))
+        step()  # the lane is busy: queued behind it
+        assert core.lane.pending == ["second", "third"]
+        core.add_request(core.make_request("fourth", prompts["fourth"], GREEDY))
+        step()  # the lane is full: it waits at the head of the queue (no wait bound here)
+        assert core.scheduler.requests["fourth"].num_computed_tokens == 0
+        done = threading.Semaphore(0)
+        core.lane.on_done = done.release
+        release.set()
+        assert done.acquire(timeout=60) and done.acquire(timeout=60)  # the lane finished both
+        step()  # the overflow drained: the lane is empty, "alone" is read, and "fourth" waits alone
+        assert core.lane.pending == [] and core.scheduler.requests["fourth"].num_computed_tokens > 0
+        deadline = time.monotonic() + 120
+        while core.has_unfinished_requests():
+            assert time.monotonic() < deadline, "the engine did not finish its requests"
+            step()
+        assert [request_id for request_id, _, _ in seen] == ["second", "third"]
+        core.check_integrity()
+        assert core.block_pool.num_free_blocks == core.block_pool.num_blocks
+    finally:
+        release.set()
+        core.close()
+
+    plain = build(tiny_llama_dir, None, max_model_len=512)
+    try:
+        start_streams(plain, params=streams)
+        reference = run(plain, list(prompts.items()))
+    finally:
+        plain.close()
+    for name in prompts:
+        assert tokens[name] == reference[name], name
+
+
+def test_the_overflow_policy_sends_the_lane_the_head_when_two_prompts_wait(tiny_llama_dir):
+    core = build(tiny_llama_dir, LANE_MIN, max_model_len=512, prefill_lane_policy="overflow")
+    try:
+        scheduler = core.scheduler
+        start_streams(core)
+        core.add_request(core.make_request("first", long_prompt(30, 100), GREEDY))
+        assert scheduler.take_for_lane() is None  # alone: the steps read it on every thread
+        core.add_request(core.make_request("behind", long_prompt(31, 100), GREEDY))
+        seq = scheduler.take_for_lane()  # another waits behind it: the head goes to the lane
+        assert seq is not None and seq.request_id == "first"
+        assert scheduler.take_for_lane() is None  # now alone again (nothing was submitted to the lane)
+        for request_id in ("first", "behind", "s0", "s1"):
+            core.abort_request(request_id)
+        run(core, [])
+        core.check_integrity()
+        assert core.block_pool.num_free_blocks == core.block_pool.num_blocks
+    finally:
+        core.close()
+    with pytest.raises(ValueError, match="prefill_lane_policy"):
+        build(tiny_llama_dir, LANE_MIN, max_model_len=512, prefill_lane_policy="sometimes")
