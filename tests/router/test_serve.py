@@ -405,6 +405,53 @@ def test_auto_mode_on_one_node_is_colocated_and_says_why(colocated_server):
     assert any("serving smollm2-135m-instruct (colocated)" in line for line in colocated_server.log)
 
 
+def long_prompt_mid_stream(server, llm) -> tuple[int, int, int]:
+    """Two streams decode on ``server``'s colocated worker and a prompt of 256+ tokens arrives
+    mid-stream; every answer must equal LLM.generate's (near-tie rule). Returns the worker's
+    lane prompts and lane prompt tokens from before, and the long prompt's token count."""
+    tokenizer = llm.get_tokenizer()
+    long_prompt = "[lane] " + " ".join(f"Chapter {i}: the tide came in over the grey stones." for i in range(30))
+    num_long = len(tokenizer.encode(long_prompt))
+    assert num_long >= 256
+    streams = ["[lane] The sea is", "[lane] Once upon a time"]
+    stream_params = SamplingParams(temperature=0.0, max_tokens=160, ignore_eos=True, logprobs=2)
+    stream_refs = [r.outputs[0] for r in llm.generate(streams, stream_params)]
+    long_ref = llm.generate([long_prompt], SamplingParams(temperature=0.0, max_tokens=16, logprobs=2))[0].outputs[0]
+    time.sleep(1.0)  # a fresh Stats poll
+    lane_prompts = server.metric("num_lane_prompts", "decode")
+    lane_tokens = server.metric("num_lane_prompt_tokens", "decode")
+
+    tokens: list[list[str]] = [[], []]
+    started = [threading.Event(), threading.Event()]
+
+    def stream(i: int) -> None:
+        body = {"model": "smollm2-135m-instruct", "prompt": streams[i], "max_tokens": 160, "temperature": 0,
+                "ignore_eos": True, "stream": True, "logprobs": 2}
+        with httpx.stream("POST", f"{server.base_url}/v1/completions", json=body, timeout=120) as response:
+            for line in response.iter_lines():
+                if line.startswith("data: {"):
+                    choice = json.loads(line[6:])["choices"][0]
+                    tokens[i] += (choice.get("logprobs") or {}).get("tokens") or []
+                    started[i].set()
+
+    threads = [threading.Thread(target=stream, args=(i,)) for i in range(2)]
+    for thread in threads:
+        thread.start()
+    assert all(event.wait(60) for event in started), "the streams did not start"
+    answer = client(server).completions.create(model="smollm2-135m-instruct", prompt=long_prompt, max_tokens=16,
+                                               temperature=0, logprobs=2)
+    for thread in threads:
+        thread.join(120)
+    assert answer.usage.prompt_tokens == num_long
+    stats = EqualityStats()
+    assert_same_tokens_as_text(answer.choices[0].logprobs.tokens, long_ref, stats, label="the long prompt")
+    for i, reference in enumerate(stream_refs):  # the streams decoded beside it, unharmed
+        assert len(tokens[i]) == 160
+        assert_same_tokens_as_text(tokens[i], reference, stats, label=streams[i])
+    assert stats.near_ties <= 1
+    return lane_prompts, lane_tokens, num_long
+
+
 def test_a_long_prompt_arriving_mid_stream_goes_through_the_prefill_lane(smollm_dir, llm):
     """A live colocated worker with two threads: a prompt of 128+ tokens that arrives while two
     streams decode is read on the prefill lane (its Stats count it, token for token), and every
@@ -412,46 +459,7 @@ def test_a_long_prompt_arriving_mid_stream_goes_through_the_prefill_lane(smollm_
     server = start_server(smollm_dir, "colocated", "--worker-threads", "2", "--prefill-lane-min-tokens", "128")
     try:
         assert any("prefill lane: a prompt of 128+ tokens" in line for line in server.log), server.log[-5:]
-        tokenizer = llm.get_tokenizer()
-        long_prompt = "[lane] " + " ".join(f"Chapter {i}: the tide came in over the grey stones." for i in range(30))
-        num_long = len(tokenizer.encode(long_prompt))
-        assert num_long >= 256
-        streams = ["[lane] The sea is", "[lane] Once upon a time"]
-        stream_params = SamplingParams(temperature=0.0, max_tokens=160, ignore_eos=True, logprobs=2)
-        stream_refs = [r.outputs[0] for r in llm.generate(streams, stream_params)]
-        long_ref = llm.generate([long_prompt], SamplingParams(temperature=0.0, max_tokens=16, logprobs=2))[0].outputs[0]
-        time.sleep(1.0)  # a fresh Stats poll
-        lane_prompts = server.metric("num_lane_prompts", "decode")
-        lane_tokens = server.metric("num_lane_prompt_tokens", "decode")
-
-        tokens: list[list[str]] = [[], []]
-        started = [threading.Event(), threading.Event()]
-
-        def stream(i: int) -> None:
-            body = {"model": "smollm2-135m-instruct", "prompt": streams[i], "max_tokens": 160, "temperature": 0,
-                    "ignore_eos": True, "stream": True, "logprobs": 2}
-            with httpx.stream("POST", f"{server.base_url}/v1/completions", json=body, timeout=120) as response:
-                for line in response.iter_lines():
-                    if line.startswith("data: {"):
-                        choice = json.loads(line[6:])["choices"][0]
-                        tokens[i] += (choice.get("logprobs") or {}).get("tokens") or []
-                        started[i].set()
-
-        threads = [threading.Thread(target=stream, args=(i,)) for i in range(2)]
-        for thread in threads:
-            thread.start()
-        assert all(event.wait(60) for event in started), "the streams did not start"
-        answer = client(server).completions.create(model="smollm2-135m-instruct", prompt=long_prompt, max_tokens=16,
-                                                   temperature=0, logprobs=2)
-        for thread in threads:
-            thread.join(120)
-        assert answer.usage.prompt_tokens == num_long
-        stats = EqualityStats()
-        assert_same_tokens_as_text(answer.choices[0].logprobs.tokens, long_ref, stats, label="the lane's prompt")
-        for i, reference in enumerate(stream_refs):  # the streams decoded beside it, unharmed
-            assert len(tokens[i]) == 160
-            assert_same_tokens_as_text(tokens[i], reference, stats, label=streams[i])
-        assert stats.near_ties <= 1
+        lane_prompts, lane_tokens, num_long = long_prompt_mid_stream(server, llm)
         wait_until(lambda: server.metric("num_lane_prompts", "decode") > lane_prompts, what="the lane in Stats")
         assert server.metric("num_lane_prompts", "decode") == lane_prompts + 1  # the long prompt alone
         assert server.metric("num_lane_prompt_tokens", "decode") == lane_tokens + num_long
@@ -459,5 +467,22 @@ def test_a_long_prompt_arriving_mid_stream_goes_through_the_prefill_lane(smollm_
 
         totals = lane_totals(f"{server.base_url}/v1")  # what `tandem bench compare` reads of it
         assert totals["num_lane_prompts"] == lane_prompts + 1 and 0 < totals["lane_busy_ms"] < 60_000
+    finally:
+        server.stop()
+
+
+def test_under_the_overflow_policy_a_lone_long_prompt_is_read_in_the_steps(smollm_dir, llm):
+    """`--prefill-lane-policy overflow` reaches the live worker: the same long prompt, arriving
+    alone while two streams decode, is read in the steps on both threads, not on the lane, with
+    the same answers (the engine-level tests send the lane what overflows)."""
+    server = start_server(smollm_dir, "colocated", "--worker-threads", "2", "--prefill-lane-min-tokens", "128",
+                          "--prefill-lane-policy", "overflow")
+    try:
+        assert any("finds other prefill work under way (policy overflow)" in line for line in server.log), \
+            server.log[-5:]
+        lane_prompts, lane_tokens, _ = long_prompt_mid_stream(server, llm)
+        time.sleep(1.5)  # two Stats polls after the answer
+        assert server.metric("num_lane_prompts", "decode") == lane_prompts
+        assert server.metric("num_lane_prompt_tokens", "decode") == lane_tokens
     finally:
         server.stop()
