@@ -316,6 +316,12 @@ class EngineCore:
             failed_outputs += self._lane_finished()
             self._lane_start()
         scheduled = self.scheduler.schedule()
+        if self.lane is not None and self.lane.busy:
+            # nothing to step: the lane may compute on every thread until there is again
+            if scheduled.seqs:
+                self.lane.narrow()
+            else:
+                self.lane.widen(self.num_threads)
         if not scheduled.seqs:
             return failed_outputs
         self._count_prompt_tokens(scheduled)
@@ -374,6 +380,7 @@ class EngineCore:
             outputs += self._lane_result(result)
         if not self.lane.busy:
             torch.set_num_threads(self.num_threads)
+            self.lane.narrow(timeout_s=0.0)  # it computes nothing: the next prompt starts on its own threads
         return outputs
 
     def _lane_result(self, result: LaneResult) -> list[EngineCoreOutput]:

@@ -32,6 +32,8 @@ class ModelRunner:
         self.num_tokens_processed = 0  # tokens fed through the model (prefix-cache hits are not)
         # prefill role: receives (request id, layer, first position, kv) after each layer
         self.on_layer_kv: Callable[[str, int, int, torch.Tensor], None] | None = None
+        # called with the layer's index after each layer (the prefill lane: engine/prefill_lane.py)
+        self.after_layer: Callable[[int], None] | None = None
 
     @torch.inference_mode()
     def execute(self, scheduled: SchedulerOutput) -> RunnerOutput:
@@ -60,9 +62,21 @@ class ModelRunner:
         device = self.kv_cache.storage.device
         hidden = self.model(
             torch.tensor(input_ids, dtype=torch.int64).to(device), torch.cat(positions).to(device),
-            self.kv_cache.layers, metadata, self._export_hook(seqs),
+            self.kv_cache.layers, metadata, self._layer_hook(seqs),
         )  # [num_tokens, hidden]
         return self._sample(seqs, hidden)
+
+    def _layer_hook(self, seqs: list[ScheduledSeq]) -> Callable[[int], None] | None:
+        """What runs after each layer: the KV export, then ``after_layer``."""
+        export, after = self._export_hook(seqs), self.after_layer
+        if export is None or after is None:
+            return export or after
+
+        def both(layer: int) -> None:
+            export(layer)
+            after(layer)
+
+        return both
 
     def _export_hook(self, seqs: list[ScheduledSeq]) -> Callable[[int], None] | None:
         """Export each exporting sequence's KV. Positions this cache already held before the step

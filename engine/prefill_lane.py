@@ -14,7 +14,9 @@ reserved for it.
 The engine thread hands over prompts (``Scheduler.take_for_lane``: the head of the queue,
 long enough, while streams decode, and under the ``overflow`` policy only while other prefill
 work is under way; one computing and one queued behind it), lends the lane
-one of its threads for as long as it holds any, and takes the results back between two steps;
+one of its threads for as long as it holds any (all of them, from the lane's next layer on,
+while the engine thread has nothing to step: ``widen``, ``narrow``), and takes the results
+back between two steps;
 each request then joins the batch with its first token, as one whose KV came from a prefill
 worker does. While the lane is full, the next prompt for it waits at the head of the queue
 rather than stall the streams in a step (and what arrived after it waits too): the streams'
@@ -94,6 +96,18 @@ class PrefillLane:
         self.threads = threads
         self.on_done = on_done
         self.depth = depth
+        # Threads the lane may use from its next layer on: ``threads``, or more while the engine
+        # thread has nothing to step (``widen``, ``narrow``). Under ``_lock`` with what follows.
+        self.width = threads
+        self.num_widened = 0  # prompts that ran some of their layers on more than ``threads``
+        self._lock = threading.Lock()
+        self._using = threads  # the lane thread's torch threads now
+        self._computing = False
+        self._widened_this_prompt = False
+        # set while the lane computes on at most ``threads`` (or computes nothing)
+        self._within = threading.Event()
+        self._within.set()
+        runner.after_layer = self._fit
         # request ids submitted and not yet taken back, in order (the engine thread's view)
         self.pending: list[str] = []
         self._cancelled: set[str] = set()  # pending ids the lane skips if it has not started them
@@ -125,6 +139,20 @@ class PrefillLane:
         self._cancelled.discard(result.seq.request_id)
         return result
 
+    def widen(self, threads: int) -> None:
+        """The engine thread has nothing to step: the lane may use ``threads`` from its next
+        layer on (the prompt's first token comes sooner; nothing else waits for the cores)."""
+        with self._lock:
+            self.width = max(self.threads, threads)
+
+    def narrow(self, timeout_s: float = 2.0) -> bool:
+        """The engine thread steps again: back to the lane's own ``threads``. Waits until the
+        lane's current layer is done if it computes on more (at most ``timeout_s``: the step then
+        runs anyway, the cores shared for what is left of that layer). False on a timeout."""
+        with self._lock:
+            self.width = self.threads
+        return self._within.wait(timeout_s)
+
     def cancel(self, request_id: str) -> None:
         """Its request ended: skip it if the lane has not started it (its result then has
         neither output nor error). Its blocks stay pinned until the result is taken back."""
@@ -142,6 +170,9 @@ class PrefillLane:
             if seq is None:
                 return
             started, clock = time.monotonic(), time.perf_counter()
+            with self._lock:
+                self._computing, self._widened_this_prompt = True, False
+            self._fit()
             if seq.request_id in self._cancelled:
                 result = LaneResult(seq, None, None, 0.0, started)
             else:
@@ -150,6 +181,24 @@ class PrefillLane:
                     result = LaneResult(seq, self.runner.execute(step), None, time.perf_counter() - clock, started)
                 except Exception as exc:  # the engine thread fails this request alone
                     result = LaneResult(seq, None, exc, time.perf_counter() - clock, started)
+            with self._lock:
+                self._computing = False
+                self._within.set()
+                self.num_widened += self._widened_this_prompt
             self._done.put(result)
             if self.on_done is not None:
                 self.on_done()
+
+    def _fit(self, layer: int | None = None) -> None:
+        """On the lane thread, before a prompt and after each of its layers: take up the width
+        the engine thread allows now."""
+        with self._lock:
+            if self.width != self._using:
+                torch.set_num_threads(self.width)
+                self._using = self.width
+            wide = self._using > self.threads
+            self._widened_this_prompt |= wide and self._computing
+            if wide and self._computing:
+                self._within.clear()
+            else:
+                self._within.set()

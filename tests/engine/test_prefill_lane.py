@@ -408,3 +408,58 @@ def test_the_overflow_policy_sends_the_lane_the_head_when_two_prompts_wait(tiny_
         core.close()
     with pytest.raises(ValueError, match="prefill_lane_policy"):
         build(tiny_llama_dir, LANE_MIN, max_model_len=512, prefill_lane_policy="sometimes")
+
+
+def test_the_lane_widens_while_the_engine_has_nothing_to_step_and_narrows_before_the_next_step(lane_core, smollm_dir):
+    fit = lane_core.lane.runner.after_layer
+    layers: list[tuple[int, int]] = []  # (layer, the torch threads the lane set for the layer after it)
+    gates = {1: threading.Event(), 3: threading.Event()}
+    reached = {1: threading.Event(), 3: threading.Event()}
+
+    def recording(layer: int) -> None:
+        fit(layer)
+        layers.append((layer, torch.get_num_threads()))
+        if layer in gates:
+            reached[layer].set()
+            assert gates[layer].wait(60)
+
+    lane_core.lane.runner.after_layer = recording
+    try:
+        short = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+        tokens = start_streams(lane_core, params=short)
+        prompt = long_prompt(40, 200)
+        lane_core.add_request(lane_core.make_request("long", prompt, GREEDY))
+        lane_core.step()
+        assert reached[1].wait(30) and lane_core.lane.width == 1  # in the lane, beside the streams
+        while lane_core.scheduler.running:  # the streams end while the lane holds the prompt
+            for output in lane_core.step():
+                tokens.setdefault(output.request_id, []).extend(output.new_token_ids)
+        assert lane_core.step() == [] and lane_core.lane.width == 2  # nothing to step: widen
+        gates[1].set()
+        assert reached[3].wait(30)
+        assert layers[:4] == [(0, 1), (1, 1), (2, 2), (3, 2)]  # wide from its next layer boundary on
+        lane_core.add_request(lane_core.make_request("late", [5, 6, 7], short))
+        stepped = threading.Event()
+        stepper = threading.Thread(target=lambda: (lane_core.step(), stepped.set()))
+        stepper.start()  # a step to run: it waits for the lane to narrow
+        assert not stepped.wait(0.3) and lane_core.lane.width == 1
+        gates[3].set()
+        assert stepped.wait(30)
+        stepper.join(30)
+        assert layers[4] == (4, 1)  # narrowed after the layer it was in
+        for request_id, new in run(lane_core, []).items():
+            tokens.setdefault(request_id, []).extend(new)
+    finally:
+        for gate in gates.values():
+            gate.set()
+        lane_core.lane.runner.after_layer = fit
+    # (once "late" ends too, the lane may widen again for its last layers)
+    assert lane_core.lane.num_widened >= 1 and lane_core.lane.width == 1
+    assert torch.get_num_threads() == 2
+
+    plain = build(smollm_dir, None)
+    try:
+        reference = run(plain, [("long", prompt)])
+    finally:
+        plain.close()
+    assert tokens["long"] == reference["long"]  # the same tokens, on one thread or two
