@@ -59,12 +59,13 @@ DEFAULT_PREFILL_LANE_MIN_TOKENS = 128
 DEFAULT_PREFILL_LANE_MAX_WAIT_MS = 2000.0
 # `--prefill-lane-policy` default: which prompts the lane takes. "first": every prompt long
 # enough that reaches the head of the queue while streams decode; the streams keep their pace
-# and a prompt's TTFT is the lane's one thread (a 1k-token prompt in 1.7 s on the family-25
-# EPYC, where vLLM's TTFT p90 at its capacity was 1.6 s). "overflow": the steps read a lone
-# prompt on every thread, chunked beside the streams, and the lane takes a prompt only when
-# prefill work is already under way (the lane busy, another request waiting, a chunked prompt
-# running): TTFT near vLLM's at its capacity rate, with the streams stalled by one prompt at a
-# time (docs/benchmarks.md "The prefill lane's policy").
+# and a prompt's TTFT is mostly the lane's one thread (a 1k-token prompt in 1.7 s on the
+# family-25 EPYC, where vLLM's TTFT p90 at its capacity was 1.6 s). "overflow": the steps read
+# a lone prompt on every thread, chunked beside the streams, and the lane takes a prompt only
+# when prefill work is already under way (the lane busy, another request waiting, a chunked
+# prompt running): lower TTFT, higher TPOT and ITL tails, capacity higher in two of the three
+# searches so far and lower in one, each one run (docs/benchmarks.md "The prefill lane's
+# policy"); the default stays until repeats settle it.
 DEFAULT_PREFILL_LANE_POLICY = "first"
 
 

@@ -453,10 +453,11 @@ def long_prompt_mid_stream(server, llm) -> tuple[int, int, int]:
 
 
 def test_a_long_prompt_arriving_mid_stream_goes_through_the_prefill_lane(smollm_dir, llm):
-    """A live colocated worker with two threads: a prompt of 128+ tokens that arrives while two
-    streams decode is read on the prefill lane (its Stats count it, token for token), and every
+    """A live colocated worker with two threads, lane policy first: a prompt of 128+ tokens that
+    arrives while two streams decode is read on the prefill lane (its Stats count it, token for token), and every
     answer equals LLM.generate's: the lane's KV went into the prompt's own blocks only."""
-    server = start_server(smollm_dir, "colocated", "--worker-threads", "2", "--prefill-lane-min-tokens", "128")
+    server = start_server(smollm_dir, "colocated", "--worker-threads", "2", "--prefill-lane-min-tokens", "128",
+                          "--prefill-lane-policy", "first")
     try:
         assert any("prefill lane: a prompt of 128+ tokens" in line for line in server.log), server.log[-5:]
         lane_prompts, lane_tokens, num_long = long_prompt_mid_stream(server, llm)
