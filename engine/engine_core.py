@@ -317,7 +317,7 @@ class EngineCore:
             self._lane_start()
         scheduled = self.scheduler.schedule()
         if self.lane is not None and self.lane.busy:
-            # nothing to step: the lane may compute on every thread until there is again
+            # with nothing to step, the lane may compute on every thread until there is again
             if scheduled.seqs:
                 self.lane.narrow()
             else:

@@ -100,11 +100,9 @@ class PrefillLane:
         # Threads the lane may use from its next layer on: ``threads``, or more while the engine
         # thread has nothing to step (``widen``, ``narrow``). Under ``_lock`` with what follows.
         self.width = threads
-        self.num_widened = 0  # prompts that ran some of their layers on more than ``threads``
         self._lock = threading.Lock()
         self._using = threads  # the lane thread's torch threads now
         self._computing = False
-        self._widened_this_prompt = False
         # set while the lane computes on at most ``threads`` (or computes nothing)
         self._within = threading.Event()
         self._within.set()
@@ -172,7 +170,7 @@ class PrefillLane:
                 return
             started, clock = time.monotonic(), time.perf_counter()
             with self._lock:
-                self._computing, self._widened_this_prompt = True, False
+                self._computing = True
             self._fit()
             if seq.request_id in self._cancelled:
                 result = LaneResult(seq, None, None, 0.0, started)
@@ -185,7 +183,6 @@ class PrefillLane:
             with self._lock:
                 self._computing = False
                 self._within.set()
-                self.num_widened += self._widened_this_prompt
             self._done.put(result)
             if self.on_done is not None:
                 self.on_done()
@@ -197,9 +194,7 @@ class PrefillLane:
             if self.width != self._using:
                 torch.set_num_threads(self.width)
                 self._using = self.width
-            wide = self._using > self.threads
-            self._widened_this_prompt |= wide and self._computing
-            if wide and self._computing:
+            if self._computing and self._using > self.threads:
                 self._within.clear()
             else:
                 self._within.set()
