@@ -407,3 +407,40 @@ def test_warm_up_compiles_the_common_kernels_and_leaves_no_trace(tiny_llama_dir,
     warmed = [o.outputs[0].token_ids for o in llm.generate([tiny_prompts[1], tiny_prompts[2]], params)]
     fresh = make_llm(**kwargs).generate([tiny_prompts[1], tiny_prompts[2]], params)
     assert warmed == [o.outputs[0].token_ids for o in fresh]
+
+
+def test_the_gpu_engine_check_runs_on_the_cpu(smollm_dir, tmp_path):
+    """bench/gpu_engine.py --smoke: the engine check a GPU session runs (the engine with Triton
+    attention against transformers, float32 to the token), end to end here on a tiny model with
+    the kernels interpreted. A token that differs from transformers' makes it exit 1."""
+    tokenizer_dir = tmp_path / "tokenizer"
+    tokenizer_dir.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (tokenizer_dir / name).write_bytes((smollm_dir / name).read_bytes())
+    report = tmp_path / "report.json"
+    result = subprocess.run([sys.executable, "bench/gpu_engine.py", "--smoke", "--tokenizer-dir", str(tokenizer_dir),
+                             "--work-dir", str(tmp_path / "models"), "--json", str(report)],
+                            capture_output=True, text=True, cwd=ROOT, timeout=600,
+                            env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    import json
+
+    tiny = json.loads(report.read_text())["shapes"]["tiny"]
+    assert "error" not in tiny
+    tokens = tiny["tokens_float32"]
+    assert tokens["identical"] == tokens["sequences"] == 8 and tokens["prefix_cache_hit_tokens"] == 2 * 64
+    assert tiny["bf16_top1"]["positions"] == 8 * 8
+    assert tiny["speed"]["tandem"]["batch_tok_s"] > 0 and tiny["speed"]["transformers"]["batch_tok_s"] > 0
+    assert "tokens float32 vs transformers | 8/8 identical over 8 tokens (met)" in result.stdout
+
+
+def test_the_gpu_engine_check_marks_a_float32_difference_missed():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_engine", ROOT / "bench" / "gpu_engine.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    tokens = {"identical": 2, "sequences": 3, "tokens_each": 4, "agreed_before_first_difference": [4, 4, 1]}
+    report = {"device": "x", "torch": "t", "triton": "3", "shapes": {"m": {"tokens_float32": tokens}}}
+    assert "2/3 identical over 4 tokens (MISSED)" in script.render(report)
+    assert script.agreed([1, 2, 3], [1, 2, 4]) == 2 and script.agreed([1, 2], [1, 2]) == 2
