@@ -452,24 +452,95 @@ def long_prompt_mid_stream(server, llm) -> tuple[int, int, int]:
     return lane_prompts, lane_tokens, num_long
 
 
-def test_a_long_prompt_arriving_mid_stream_goes_through_the_prefill_lane(smollm_dir, llm):
-    """A live colocated worker with two threads, lane policy first: a prompt of 128+ tokens that
-    arrives while two streams decode is read on the prefill lane (its Stats count it, token for token), and every
-    answer equals LLM.generate's: the lane's KV went into the prompt's own blocks only."""
+@pytest.fixture(scope="module")
+def lane_first_server(smollm_dir):
+    """A live colocated worker with two threads and the prefill lane under policy first."""
     server = start_server(smollm_dir, "colocated", "--worker-threads", "2", "--prefill-lane-min-tokens", "128",
                           "--prefill-lane-policy", "first")
-    try:
-        assert any("prefill lane: a prompt of 128+ tokens" in line for line in server.log), server.log[-5:]
-        lane_prompts, lane_tokens, num_long = long_prompt_mid_stream(server, llm)
-        wait_until(lambda: server.metric("num_lane_prompts", "decode") > lane_prompts, what="the lane in Stats")
-        assert server.metric("num_lane_prompts", "decode") == lane_prompts + 1  # the long prompt alone
-        assert server.metric("num_lane_prompt_tokens", "decode") == lane_tokens + num_long
-        from bench.compare import lane_totals
+    yield server
+    server.stop()
 
-        totals = lane_totals(f"{server.base_url}/v1")  # what `tandem bench compare` reads of it
-        assert totals["num_lane_prompts"] == lane_prompts + 1 and 0 < totals["lane_busy_ms"] < 60_000
-    finally:
-        server.stop()
+
+def test_a_long_prompt_arriving_mid_stream_goes_through_the_prefill_lane(lane_first_server, llm):
+    """Lane policy first: a prompt of 128+ tokens that arrives while two streams decode is read
+    on the prefill lane (its Stats count it, token for token), and every answer equals
+    LLM.generate's: the lane's KV went into the prompt's own blocks only."""
+    server = lane_first_server
+    assert any("prefill lane: a prompt of 128+ tokens" in line for line in server.log), server.log[-5:]
+    lane_prompts, lane_tokens, num_long = long_prompt_mid_stream(server, llm)
+    wait_until(lambda: server.metric("num_lane_prompts", "decode") > lane_prompts, what="the lane in Stats")
+    assert server.metric("num_lane_prompts", "decode") == lane_prompts + 1  # the long prompt alone
+    assert server.metric("num_lane_prompt_tokens", "decode") == lane_tokens + num_long
+    from bench.compare import lane_totals
+
+    totals = lane_totals(f"{server.base_url}/v1")  # what `tandem bench compare` reads of it
+    assert totals["num_lane_prompts"] == lane_prompts + 1 and 0 < totals["lane_busy_ms"] < 60_000
+
+
+def test_a_prompt_whose_client_leaves_while_it_waits_for_the_lane_is_dropped(lane_first_server, llm):
+    """A stream decodes; a prompt of ~900 tokens goes to the lane (seconds on one float32
+    thread), and a second one queues behind it there. The second one's client gives up after
+    half a second. It is dropped from the lane's queue: never computed, nothing of it left
+    running or holding a block. The first prompt and the stream answer as LLM.generate does,
+    and the server serves on."""
+    server = lane_first_server
+    tokenizer = llm.get_tokenizer()
+    ahead = "[gone] " + " ".join(f"Verse {i}: the wind went over the hill and down to the sea." for i in range(52))
+    behind = "[gone] " + " ".join(f"Line {i}: a cart rolled slowly past the old mill at dusk." for i in range(52))
+    num_ahead, num_behind = (len(tokenizer.encode(p)) for p in (ahead, behind))
+    assert 800 <= num_ahead <= 1000 and 800 <= num_behind <= 1000
+    stream_prompt = "[gone] The river"
+    params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True, logprobs=2)
+    stream_ref = llm.generate([stream_prompt], params)[0].outputs[0]
+    ahead_ref = llm.generate([ahead], SamplingParams(temperature=0.0, max_tokens=8, logprobs=2))[0].outputs[0]
+    time.sleep(1.0)  # a fresh Stats poll
+    lane_prompts = server.metric("num_lane_prompts", "decode")
+    lane_tokens = server.metric("num_lane_prompt_tokens", "decode")
+    generated = server.metric("num_generation_tokens", "decode")
+    tokens: list[str] = []
+    started = threading.Event()
+    answers = []
+
+    def stream() -> None:
+        body = {"model": "smollm2-135m-instruct", "prompt": stream_prompt, "max_tokens": 200, "temperature": 0,
+                "ignore_eos": True, "stream": True, "logprobs": 2}
+        with httpx.stream("POST", f"{server.base_url}/v1/completions", json=body, timeout=120) as response:
+            for line in response.iter_lines():
+                if line.startswith("data: {"):
+                    tokens.extend((json.loads(line[6:])["choices"][0].get("logprobs") or {}).get("tokens") or [])
+                    started.set()
+
+    def ask_ahead() -> None:
+        answers.append(client(server).completions.create(model="smollm2-135m-instruct", prompt=ahead, max_tokens=8,
+                                                         temperature=0, logprobs=2))
+
+    threads = [threading.Thread(target=stream)]
+    threads[0].start()
+    assert started.wait(60), "the stream did not start"
+    threads.append(threading.Thread(target=ask_ahead))
+    threads[1].start()
+    time.sleep(0.3)  # the first prompt is on the lane
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server.base_url}/v1/completions", timeout=0.5,
+                   json={"model": "smollm2-135m-instruct", "prompt": behind, "max_tokens": 8, "temperature": 0})
+    for thread in threads:
+        thread.join(120)
+    assert answers and answers[0].usage.prompt_tokens == num_ahead
+    stats = EqualityStats()
+    assert_same_tokens_as_text(answers[0].choices[0].logprobs.tokens, ahead_ref, stats, label="the prompt ahead")
+    assert len(tokens) == 200
+    assert_same_tokens_as_text(tokens, stream_ref, stats, label=stream_prompt)
+    assert stats.near_ties <= 1
+    wait_until(lambda: server.metric("num_free_kv_blocks", "decode") == server.metric("num_kv_blocks", "decode")
+               and server.metric("num_running", "decode") == 0, what="the worker idle with every block free")
+    time.sleep(1.0)  # had the abandoned prompt been computed, the next poll would count it
+    assert server.metric("num_lane_prompts", "decode") == lane_prompts + 1  # the prompt ahead alone
+    assert server.metric("num_lane_prompt_tokens", "decode") == lane_tokens + num_ahead
+    emitted = 200 + answers[0].usage.completion_tokens
+    assert server.metric("num_generation_tokens", "decode") == generated + emitted  # nothing for the one gone
+    after = client(server).completions.create(model="smollm2-135m-instruct", prompt="[gone] Hello", max_tokens=3,
+                                              temperature=0)
+    assert after.usage.completion_tokens == 3
 
 
 def test_under_the_overflow_policy_a_lone_long_prompt_is_read_in_the_steps(smollm_dir, llm):
