@@ -109,6 +109,9 @@ def test_validates_inputs(kernel):
     assert not kernel.supports(64, 9) and not kernel.supports(96, 1)
 
 
+@pytest.mark.skipif(prefill_attention.sdpa_is_faster(),
+                    reason="this CPU has AMX: the engine keeps SDPA for prefill here and never runs the kernel (the "
+                           "kernel itself is checked against float32 above, and the choice below)")
 def test_the_engine_uses_it_and_agrees_with_sdpa(smollm_dir, monkeypatch):
     """bfloat16 SmolLM2 with the kernel, prompts whole and in chunks of 40 (each chunk after a
     cached prefix), against the same engine with torch's SDPA for prefill, prompts whole:
@@ -151,3 +154,17 @@ def test_the_engine_uses_it_and_agrees_with_sdpa(smollm_dir, monkeypatch):
     # apart shows in both; over 24 greedy tokens such ties are not rare in bfloat16 (2 of these 6
     # prompts on a Xeon). DESIGN.md's bound on the rule: it must not fire for most of them.
     assert stats.near_ties * 2 < stats.compared
+
+
+@pytest.mark.parametrize("flags,expected", [({"avx512f", "avx512_bf16"}, True),
+                                            ({"avx512f", "avx512_bf16", "amx_bf16", "amx_tile"}, False)])
+def test_the_engine_takes_the_kernel_only_where_the_cpu_has_no_amx(monkeypatch, flags, expected):
+    """With AMX, torch's SDPA runs its tiles on AMX and beats the kernel (2-3x at 256-1024
+    positions, measured on a Xeon): for_model leaves prefill to SDPA there, and only there."""
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(prefill_attention, "cpu_flags", lambda: flags)
+    arch = SimpleNamespace(num_attention_heads=9, num_key_value_heads=3, head_dim=64)  # SmolLM2-135M's
+    chosen = prefill_attention.for_model(arch, torch.bfloat16, torch.device("cpu"))
+    assert (chosen is not None) is expected
+    assert prefill_attention.for_model(arch, torch.float32, torch.device("cpu")) is None
