@@ -335,7 +335,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({name: entry}, indent=1), flush=True)
     for name, entry in report["shapes"].items():
         if "profile" in entry.get("speed", {}).get("tandem", {}):
-            print(f"\n## {name}: {entry['speed']['tandem'].pop('profile')}")
+            print(f"\n## {name}: {entry['speed']['tandem']['profile']}")
     print(render(report))
     if args.json:
         args.json.write_text(json.dumps(report, indent=1))
