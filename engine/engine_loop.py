@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 from engine.engine_core import EngineCore, EngineCoreOutput, ErrorScope
 from engine.llm import EngineArgs
+from engine.platform import name_native_thread
 from engine.remote_kv import KVExport, KVFailurePolicy
 from engine.sampling_params import SamplingParams
 
@@ -186,6 +187,7 @@ class EngineLoop:
 
     # -- the engine thread --------------------------------------------------------------------
     def _main(self, build: Callable[[], EngineCore]) -> None:
+        name_native_thread()
         try:
             self.core = build()
         except BaseException as exc:  # the constructor raises it

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import sys
+import threading
 import time
 from functools import lru_cache
 
@@ -17,6 +21,30 @@ def _time_linear(dtype: torch.dtype, rows: int, in_features: int, out_features: 
     for _ in range(repeats):
         F.linear(x, w)
     return time.perf_counter() - start
+
+
+_PR_SET_NAME = 15  # prctl(2): this thread's name, 15 bytes at most
+
+
+@lru_cache(maxsize=1)
+def _libc() -> ctypes.CDLL | None:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+    except OSError:
+        return None
+
+
+def name_native_thread(name: str | None = None) -> None:
+    """Give the calling thread's Python name (or ``name``) to the OS thread as well, so that
+    ``top -H``, ``ps -L``, py-spy and /proc/PID/task/*/comm tell a worker's engine, lane and
+    aio threads apart (Python 3.11 names only the Python object). Linux only; elsewhere, or
+    if the call fails, nothing happens."""
+    libc = _libc()
+    if libc is not None:
+        label = (name or threading.current_thread().name).encode()[:15]
+        libc.prctl(_PR_SET_NAME, ctypes.c_char_p(label), 0, 0, 0)
 
 
 def resolve_device(name: str | torch.device) -> torch.device:

@@ -41,6 +41,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.model_runner import ModelRunner
+from engine.platform import name_native_thread
 from engine.scheduler_types import RunnerOutput, ScheduledSeq, SchedulerOutput
 
 # `tandem serve --prefill-lane-min-tokens` default, for colocated workers (the offline LLM has
@@ -163,6 +164,7 @@ class PrefillLane:
         self._thread.join(timeout_s)
 
     def _main(self) -> None:
+        name_native_thread()
         torch.set_num_threads(self.threads)  # this thread's OpenMP team; the engine thread keeps its own
         while True:
             seq = self._jobs.get()

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from engine.platform import name_native_thread
 from proto.rpc import SECRET_METADATA_KEY, SERVER_OPTIONS
 
 
@@ -79,10 +80,14 @@ class WorkerServer:
         self.config = config
         self._register = register
         self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self.loop.run_forever, name="grpc-aio", daemon=True)
+        self._thread = threading.Thread(target=self._serve_loop, name="grpc-aio", daemon=True)
         self._server: grpc.aio.Server | None = None
         self._check = _SecretCheck(config.cluster_secret)
         self.port: int | None = None
+
+    def _serve_loop(self) -> None:
+        name_native_thread()
+        self.loop.run_forever()
 
     def idle_s(self) -> float:
         """Seconds since the last call that carried the secret (or since this server was made)."""

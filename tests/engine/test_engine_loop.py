@@ -3,7 +3,9 @@ says why: one OpenMP team per process); a failed or late build is an error, not 
 
 from __future__ import annotations
 
+import sys
 import threading
+from pathlib import Path
 
 import pytest
 
@@ -19,6 +21,11 @@ from worker_runtime.server import ServerConfig
 
 def tiny_args(model_dir) -> EngineArgs:
     return EngineArgs(model=str(model_dir), dtype="float32", num_kv_blocks=64, max_model_len=256)
+
+
+def native_name(thread: threading.Thread) -> str:
+    """The OS's name for a live thread of this process (what top -H and py-spy show)."""
+    return Path(f"/proc/self/task/{thread.native_id}/comm").read_text().strip()
 
 
 def test_the_core_is_built_and_stepped_on_the_engine_thread(tiny_llama_dir):
@@ -97,7 +104,12 @@ def test_workers_build_their_core_on_their_engine_thread(role, tiny_llama_dir, m
     try:
         assert built_on == ["engine-loop"]
         assert worker.core is worker.engine_loop.core
+        if sys.platform.startswith("linux"):  # the OS sees the same names (top -H, py-spy, /proc)
+            worker.runtime.server.start()
+            assert native_name(worker.engine_loop._thread) == "engine-loop"
+            assert native_name(worker.runtime.server._thread) == "grpc-aio"
     finally:
+        worker.runtime.server.stop()
         worker.engine_loop.stop()
 
 
