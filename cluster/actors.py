@@ -84,7 +84,7 @@ class WorkerActor:
         deadline = time.monotonic() + drain_s
         while time.monotonic() < deadline:
             stats = self.worker.stats()
-            if not (stats.num_running or stats.num_waiting or stats.num_waiting_for_remote_kv):
+            if not (stats.num_running or stats.num_waiting or stats.num_waiting_for_remote_kv or stats.num_in_lane):
                 break
             time.sleep(0.2)
         self.worker.stop()

@@ -112,7 +112,7 @@ def is_empty(worker: WorkerView) -> bool:
     """Nothing of this router's in flight there, and (by its last Stats) nothing held there."""
     stats = worker.stats
     held = stats is not None and (stats.num_running or stats.num_waiting or stats.num_waiting_for_remote_kv
-                                  or stats.num_held_transfers)
+                                  or stats.num_in_lane or stats.num_held_transfers)
     return worker.in_flight == 0 and not held
 
 

@@ -268,4 +268,4 @@ class DecodeWorker(pb_grpc.DecodeWorkerServicer):
         return await answer_stats(context, self.stats)
 
     def stats(self) -> pb.WorkerStats:
-        return self.runtime.stats(num_held_transfers=len(self.core.scheduler.waiting_for_remote_kv))
+        return self.runtime.stats(num_held_transfers=self.core.num_waiting_for_remote_kv())

@@ -303,6 +303,19 @@ class EngineCore:
         return EngineCoreOutput.aborted(request_id, detok.take_delta(True) if detok else "",
                                         request.num_cached_tokens, request.times)
 
+    def num_in_lane(self) -> int:
+        """Requests whose prompt the lane holds now (computing, or queued there). The scheduler
+        keeps them with those whose KV comes from a prefill worker, but no transfer is involved.
+        Safe to read from another thread (Stats); a count taken mid-step may be one off."""
+        if self.lane is None:
+            return 0
+        table = self.scheduler.waiting_for_remote_kv
+        return sum(1 for request_id in list(self.lane.pending) if request_id in table)
+
+    def num_waiting_for_remote_kv(self) -> int:
+        """Requests whose prompt's KV is on its way from a prefill worker (not the lane's)."""
+        return max(0, len(self.scheduler.waiting_for_remote_kv) - self.num_in_lane())
+
     def has_unfinished_requests(self) -> bool:
         """Requests here, or a prompt in the lane (its result, or its aborted request's blocks, to take back)."""
         return self.scheduler.has_unfinished() or (self.lane is not None and self.lane.busy)

@@ -55,7 +55,7 @@ def worker_stats(core: EngineCore, role: str, address: str, kv_bytes_sent: int =
     return pb.WorkerStats(
         role=role, address=address, num_kv_blocks=pool.num_blocks, num_free_kv_blocks=pool.num_free_blocks,
         num_running=len(scheduler.running), num_waiting=len(scheduler.waiting),
-        num_waiting_for_remote_kv=len(scheduler.waiting_for_remote_kv),
+        num_waiting_for_remote_kv=core.num_waiting_for_remote_kv(), num_in_lane=core.num_in_lane(),
         num_prompt_tokens_computed=counters.num_prompt_tokens_computed,
         num_generation_tokens=counters.num_generation_tokens,
         kv_bytes_received=core.kv_importer.num_bytes_received, kv_bytes_sent=kv_bytes_sent,

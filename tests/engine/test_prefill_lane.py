@@ -6,8 +6,10 @@ there leaves no block behind and no other request touched."""
 from __future__ import annotations
 
 import functools
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,7 +19,9 @@ from engine.kv_cache.block_hash import namespace_digest
 from engine.kv_cache.block_pool import BlockPool
 from engine.kv_cache.manager import KVCacheManager
 from engine.llm import EngineArgs
+from engine.remote_kv import KVFailurePolicy
 from engine.sampling_params import SamplingParams
+from proto.convert import worker_stats
 from tests.reference import EqualityStats, assert_token_equal, hf_greedy
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -180,6 +184,30 @@ def test_an_abort_while_the_lane_writes_keeps_its_blocks_until_the_lane_is_done(
     assert lane_core.block_pool.num_free_blocks == lane_core.block_pool.num_blocks
 
 
+def test_stats_count_the_lanes_prompts_apart_from_those_waiting_for_remote_kv(lane_core):
+    release, entered = threading.Event(), threading.Event()
+    wrap_lane(lane_core, lambda: (entered.set(), release.wait(60)))
+    start_streams(lane_core)
+    lane_core.add_request(lane_core.make_request("long", long_prompt(21, 200), GREEDY))
+    lane_core.add_request(lane_core.make_request("queued", long_prompt(22, 150), GREEDY))
+    lane_core.step()
+    assert entered.wait(30) and lane_core.lane.pending == ["long", "queued"]
+    remote = lane_core.make_request("remote", long_prompt(23, 64), GREEDY)
+    try:
+        assert lane_core.add_remote_request(remote, 60.0, KVFailurePolicy.RECOMPUTE) == 0
+        stats = worker_stats(lane_core, "decode", "here")
+        # both sit in the scheduler's remote-KV table, but only "remote" waits for a transfer
+        assert (stats.num_in_lane, stats.num_waiting_for_remote_kv) == (2, 1)
+        assert len(lane_core.scheduler.waiting_for_remote_kv) == 3
+    finally:
+        lane_core.abort_request("remote")
+        release.set()
+    tokens = run(lane_core, [])
+    assert len(tokens["long"]) == len(tokens["queued"]) == GREEDY.max_tokens
+    stats = worker_stats(lane_core, "decode", "here")
+    assert (stats.num_in_lane, stats.num_waiting_for_remote_kv, stats.num_waiting) == (0, 0, 0)
+
+
 def test_an_abort_of_a_prompt_queued_in_the_lane_skips_it(lane_core):
     release, entered = threading.Event(), threading.Event()
     seen = wrap_lane(lane_core, lambda: (entered.set(), release.wait(60)))
@@ -212,6 +240,12 @@ def test_a_failed_lane_forward_fails_that_request_alone(lane_core):
         time.sleep(0.001)
     assert list(errors) == ["long"] and "injected lane failure" in errors["long"]
     assert len(tokens["s0"]) == len(tokens["s1"]) == GREEDY.max_tokens
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="thread names for the OS are set on Linux only")
+def test_the_lane_thread_carries_its_name_to_the_os(lane_core):
+    comm = Path(f"/proc/self/task/{lane_core.lane._thread.native_id}/comm").read_text().strip()
+    assert comm == "prefill-lane"  # top -H and py-spy tell it from the engine thread
 
 
 def test_no_lane_without_threads_to_lend_or_on_the_offline_engine(smollm_dir, tiny_llama_dir):
