@@ -64,9 +64,10 @@ DEFAULT_PREFILL_LANE_MAX_WAIT_MS = 2000.0
 # family-25 EPYC, where vLLM's TTFT p90 at its capacity was 1.6 s). "overflow": the steps read
 # a lone prompt on every thread, chunked beside the streams, and the lane takes a prompt only
 # when prefill work is already under way (the lane busy, another request waiting, a chunked
-# prompt running): lower TTFT, higher TPOT and ITL tails, capacity higher in two of the three
-# searches so far and lower in one, each one run (docs/benchmarks.md "The prefill lane's
-# policy"); the default stays until repeats settle it.
+# prompt running): lower TTFT, higher TPOT and ITL tails, capacity higher in four of the
+# seven searches so far, the same in two and lower in one, each by one search step and each one
+# run, where one rate's result swings more than that between runs (docs/benchmarks.md "Both
+# lane policies against vLLM on the AVX-512 EPYC of family 25, again"); the default stays.
 DEFAULT_PREFILL_LANE_POLICY = "first"
 
 
