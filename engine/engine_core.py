@@ -316,6 +316,13 @@ class EngineCore:
         """Requests whose prompt's KV is on its way from a prefill worker (not the lane's)."""
         return max(0, len(self.scheduler.waiting_for_remote_kv) - self.num_in_lane())
 
+    def take_ready_outputs(self) -> list[EngineCoreOutput]:
+        """Outputs that need no forward pass: the first tokens of prompts the lane finished,
+        which join the batch now. A serving loop sends them before it steps, so that a first
+        token does not wait for the next forward (a whole decode step, 40-100 ms on 2 cores);
+        ``step`` takes any that are left."""
+        return self._lane_finished() if self.lane is not None else []
+
     def has_unfinished_requests(self) -> bool:
         """Requests here, or a prompt in the lane (its result, or its aborted request's blocks, to take back)."""
         return self.scheduler.has_unfinished() or (self.lane is not None and self.lane.busy)

@@ -203,13 +203,18 @@ class EngineLoop:
         try:
             while not self._stopping:
                 self._run_calls()
-                outputs = self._before_step(self.core) if self._before_step else []
+                # first tokens that need no forward (remote KV landed, the lane finished a
+                # prompt) go out now, not after the next step's forward
+                ready = self._before_step(self.core) if self._before_step else []
+                ready += self.core.take_ready_outputs()
+                self._dispatch(ready)
+                outputs = []
                 if self.core.has_unfinished_requests():
-                    outputs += self._step()
+                    outputs = self._step()
                     if self._after_step is not None:
                         self._after_step(self.core)
                 self._dispatch(outputs)
-                if not outputs and not self._has_runnable():
+                if not ready and not outputs and not self._has_runnable():
                     self._wake.wait(self._idle_poll_s if self.core.has_unfinished_requests() else 0.5)
                     self._wake.clear()
         except BaseException as exc:  # the worker reports this in its health; requests get errors

@@ -334,6 +334,41 @@ def test_an_engine_loop_with_a_lane_serves_long_prompts_beside_streams(smollm_di
     assert loop.core.block_pool.num_free_blocks == loop.core.block_pool.num_blocks
 
 
+def test_a_lane_prompts_first_token_goes_out_before_the_next_forward(smollm_dir):
+    """The engine loop sends the first token of a prompt the lane finished as soon as it takes
+    it back, not after the next step's forward (which already decodes its second token)."""
+    loop = EngineLoop(lambda: build(smollm_dir, LANE_MIN))
+    events: list[tuple[str, object]] = []  # appended on the engine thread only, in order
+    done = threading.Event()
+    execute = loop.core.runner.execute  # the steps' runner; the lane has a runner of its own
+
+    def recording(step):
+        events.append(("forward", {seq.request_id for seq in step.seqs}))
+        return execute(step)
+
+    def listener(output):
+        if output.new_token_ids:
+            events.append(("out", output.request_id))
+        if output.request_id == "long" and output.finish_reason:
+            done.set()
+
+    loop.core.runner.execute = recording
+    seen = wrap_lane(loop.core)
+    loop.start()
+    try:
+        streams = SamplingParams(temperature=0.0, max_tokens=1000, ignore_eos=True)
+        loop.add(AddRequest("s0", [5, 6, 7], streams, listener)).result(30)
+        time.sleep(0.3)  # the stream decodes before the long prompt arrives
+        loop.add(AddRequest("long", long_prompt(12, 300), GREEDY, listener)).result(30)
+        assert done.wait(120)
+    finally:
+        loop.stop()
+    assert [request_id for request_id, _, _ in seen] == ["long"]  # the lane read it
+    first_token = events.index(("out", "long"))
+    first_forward = next(i for i, (kind, what) in enumerate(events) if kind == "forward" and "long" in what)
+    assert first_token < first_forward
+
+
 def test_a_prompt_waits_for_the_busy_lane_at_most_its_bound_then_the_steps_read_it(tiny_llama_dir):
     core = build(tiny_llama_dir, LANE_MIN, max_model_len=512, prefill_lane_max_wait_ms=300)
     release = threading.Event()
