@@ -320,8 +320,9 @@ class EngineCore:
         """Outputs that need no forward pass: the first tokens of prompts the lane finished,
         which join the batch now. A serving loop sends them before it steps, so that a first
         token does not wait for the next forward (a whole decode step, 40-100 ms on 2 cores);
-        ``step`` takes any that are left."""
-        return self._lane_finished() if self.lane is not None else []
+        ``step`` takes any that are left. Nothing to do (and no thread count reset) while the
+        lane holds no prompt."""
+        return self._lane_finished() if self.lane is not None and self.lane.busy else []
 
     def has_unfinished_requests(self) -> bool:
         """Requests here, or a prompt in the lane (its result, or its aborted request's blocks, to take back)."""

@@ -109,7 +109,8 @@ def test_workers_build_their_core_on_their_engine_thread(role, tiny_llama_dir, m
             assert native_name(worker.engine_loop._thread) == "engine-loop"
             assert native_name(worker.runtime.server._thread) == "grpc-aio"
     finally:
-        worker.runtime.server.stop()
+        if worker.runtime.server.port is not None:  # started above
+            worker.runtime.server.stop()
         worker.engine_loop.stop()
 
 
