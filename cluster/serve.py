@@ -241,7 +241,7 @@ class ServeCluster:
                           scheduling_policy=config.scheduling_policy,
                           num_threads=plan.worker_threads, chat_template=self.chat_template,
                           attention_backend=config.attention_backend, device=config.device,
-                          served_model_name=config.name)
+                          enforce_eager=config.enforce_eager, served_model_name=config.name)
 
     def serve(self) -> int:
         """The router's HTTP and gRPC front ends come up first (not ready: /ready 503, health

@@ -135,6 +135,8 @@ class ServeConfig:
                                        "is an error")
     device: str = flag("auto", choices=("cpu", "cuda", "auto"),
                        help="where each worker's model and KV cache live (auto: CUDA when the worker sees a GPU)")
+    enforce_eager: bool = flag(False, bool, "on a GPU, run decode steps eagerly instead of replaying CUDA graphs "
+                                            "(as vLLM's flag; no effect on the CPU)")
     max_num_batched_tokens: int = flag(8192, int, "tokens per forward pass: the hard cap on a prefill chunk")
     max_step_ms: float | None = flag(DEFAULT_MAX_STEP_MS, _step_ms,
                                      "where prefill shares a step with decoding streams (colocated workers, a "

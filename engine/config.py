@@ -187,6 +187,7 @@ class EngineConfig:
     seed: int = 0  # seeds the random per-request seeds of unseeded requests
     attention_backend: str = "auto"  # auto (Triton on CUDA, torch elsewhere) | torch | triton
     device: str = "auto"  # where the model, the KV cache and each step's tensors live: cpu | cuda | auto
+    enforce_eager: bool = False  # True: no CUDA graphs for decode steps (engine/decode_graphs.py), as vLLM's flag
 
 
 def parse_dtype(name: str | torch.dtype) -> torch.dtype | None:

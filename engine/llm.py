@@ -66,6 +66,7 @@ class LLM:
         free_order_seed: int | None = None,
         attention_backend: str = "auto",
         device: str = "auto",
+        enforce_eager: bool = False,
     ) -> None:
         args = EngineArgs(
             model=model, dtype=dtype, max_model_len=max_model_len, block_size=block_size,
@@ -75,7 +76,7 @@ class LLM:
             scheduling_policy=scheduling_policy, enable_prefix_caching=enable_prefix_caching,
             num_threads=num_threads, seed=seed,
             chat_template=chat_template, served_model_name=served_model_name,
-            attention_backend=attention_backend, device=device,
+            attention_backend=attention_backend, device=device, enforce_eager=enforce_eager,
         )
         self.config, self.info = args.create_engine_config()
         self.engine_core = EngineCore(self.config, self.info, free_order_seed)
@@ -203,6 +204,7 @@ workers build their engine from that with ``build_core()``, not through ``LLM``.
     served_model_name: str | None = None
     attention_backend: str = "auto"  # --attention-backend
     device: str = "auto"  # --device
+    enforce_eager: bool = False  # --enforce-eager: no CUDA graphs for decode steps
 
     def create_engine_config(self) -> tuple[EngineConfig, ModelInfo]:
         """Resolve what "auto" and None mean on this machine (dtype, device, context length)
@@ -237,6 +239,7 @@ workers build their engine from that with ``build_core()``, not through ``LLM``.
             seed=self.seed,
             attention_backend=self.attention_backend,
             device=str(place),
+            enforce_eager=self.enforce_eager,
         )
         return config, info
 

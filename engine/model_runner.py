@@ -8,6 +8,7 @@ import torch
 
 from engine import config
 from engine.attention.backend import AttentionBackend, BatchLayout
+from engine.decode_graphs import DecodeGraphs
 from engine.kv_cache.kv_cache import KVCache, slot_indices
 from engine.models.llama import CausalLM
 from engine.sampler import Sampler, gather_logprobs
@@ -23,11 +24,14 @@ from engine.scheduler_types import (
 class ModelRunner:
     """Owns the model and the KV tensors; runs exactly one model forward per ``execute``."""
 
-    def __init__(self, model: CausalLM, kv_cache: KVCache, backend: AttentionBackend) -> None:
+    def __init__(self, model: CausalLM, kv_cache: KVCache, backend: AttentionBackend,
+                 decode_graphs: DecodeGraphs | None = None) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.backend = backend
         self.sampler = Sampler()
+        # decode-only steps replay CUDA graphs (engine/decode_graphs.py); None: every step eager
+        self.decode_graphs = decode_graphs
         self.num_forward_calls = 0
         self.num_tokens_processed = 0  # tokens fed through the model (prefix-cache hits are not)
         # prefill role: receives (request id, layer, first position, kv) after each layer
@@ -41,6 +45,12 @@ class ModelRunner:
             return RunnerOutput(sampled={}, prompt_logprobs={})
         # decodes first: the backend batches them in one padded attention
         seqs = sorted(scheduled.seqs, key=lambda s: len(s.token_ids) != 1)
+        hook = self._layer_hook(seqs)
+        graphs = self.decode_graphs
+        if graphs is not None and hook is None and graphs.fits(seqs):
+            self.num_forward_calls += 1
+            self.num_tokens_processed += len(seqs)
+            return self._sample(seqs, graphs.run(seqs))
         input_ids, positions, slot_mapping = [], [], []
         bs = self.kv_cache.block_size
         for seq in seqs:
@@ -62,7 +72,7 @@ class ModelRunner:
         device = self.kv_cache.storage.device
         hidden = self.model(
             torch.tensor(input_ids, dtype=torch.int64).to(device), torch.cat(positions).to(device),
-            self.kv_cache.layers, metadata, self._layer_hook(seqs),
+            self.kv_cache.layers, metadata, hook,
         )  # [num_tokens, hidden]
         return self._sample(seqs, hidden)
 
@@ -130,7 +140,9 @@ class ModelRunner:
             offset += num_new
         sampled, failed = {}, {}
         if sample_rows:
-            logits = self.model.compute_logits(hidden[sample_rows]).cpu()  # [num_sampled, vocab]; sampled on the CPU
+            # [num_sampled, vocab], sampled where they are: on a GPU only the token ids (and the
+            # logprobs asked for) come back to the host, not the whole logits
+            logits = self.model.compute_logits(hidden[sample_rows])
             tokens = self.sampler(logits, [seq.sampling for seq in sample_seqs])
             for seq, token in zip(sample_seqs, tokens):
                 if isinstance(token, SampleFailed):

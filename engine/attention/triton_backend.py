@@ -66,6 +66,18 @@ class TritonAttentionBackend(AttentionBackend):
             max_prefill_len=max(layout.query_lens[n_dec:], default=0),
         )
 
+    def decode_only_metadata(self, slot_mapping: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                             max_decode_len: int) -> TritonAttentionMetadata:
+        """Metadata over tensors the caller owns and refills in place (engine/decode_graphs.py):
+        every row decodes, no prefill. ``max_decode_len`` only chooses the split count."""
+        empty = torch.zeros((0, 1), dtype=torch.int32, device=self.device)
+        return TritonAttentionMetadata(
+            slot_mapping=slot_mapping, num_decodes=slot_mapping.shape[0], decode_block_tables=block_tables,
+            decode_seq_lens=seq_lens, max_decode_len=max_decode_len, prefill_block_tables=empty,
+            prefill_seq_lens=empty[:, 0], prefill_cu_seqlens=torch.zeros(1, dtype=torch.int32, device=self.device),
+            max_prefill_len=0,
+        )
+
     def forward(self, query, key_value, kv_cache, metadata: TritonAttentionMetadata):
         write_kv(key_value, kv_cache, metadata.slot_mapping)
         out = torch.empty_like(query)

@@ -88,3 +88,21 @@ def test_the_prefill_lane_policy_flag_reaches_the_engine():
     cluster.info, cluster.chat_template = Info(), None
     cluster.plan = ServePlan(Mode.COLOCATED, 2, {}, {}, 1024, "", "")
     assert cluster.engine_args().prefill_lane_policy == "overflow"
+
+
+def test_enforce_eager_reaches_the_engine():
+    """vLLM's flag: on a GPU, decode steps run eagerly instead of replaying CUDA graphs."""
+    from cluster.placement import Mode
+    from cluster.serve import ServeCluster, ServePlan
+
+    assert config_of([]).enforce_eager is False
+    assert config_of(["--enforce-eager"]).enforce_eager is True
+
+    class Info:
+        model_dir = "/weights"
+
+    cluster = ServeCluster.__new__(ServeCluster)
+    cluster.config = config_of(["--enforce-eager"])
+    cluster.info, cluster.chat_template = Info(), None
+    cluster.plan = ServePlan(Mode.DISAGG, 2, {}, {}, 1024, "", "")
+    assert cluster.engine_args().enforce_eager is True

@@ -475,8 +475,9 @@ def test_the_router_command_parses_with_the_real_cli_and_follows_the_values(scen
                                          scaling["scaleUpWindowSeconds"], scaling["scaleDownWindowSeconds"],
                                          scaling["intervalSeconds"])
     assert args.kv_transport == values["serve"]["kvTransport"] and args.max_num_seqs == values["serve"]["maxNumSeqs"]
-    assert (args.device, args.attention_backend, args.gpu_memory_utilization) == (
-        values["serve"]["device"], values["serve"]["attentionBackend"], values["serve"]["gpuMemoryUtilization"])
+    assert (args.device, args.attention_backend, args.gpu_memory_utilization, args.enforce_eager) == (
+        values["serve"]["device"], values["serve"]["attentionBackend"], values["serve"]["gpuMemoryUtilization"],
+        values["serve"]["enforceEager"])
     for group in one(docs, "RayCluster")["spec"]["workerGroupSpecs"]:
         assert "$KUBERAY_GEN_RAY_START_CMD" in group["template"]["spec"]["containers"][0]["args"][-1]
 
