@@ -27,15 +27,15 @@ def gather_logprobs(logprobs: torch.Tensor, chosen: torch.Tensor, num_top: list[
     chosen_lp = logprobs.gather(1, chosen.unsqueeze(1))  # [n, 1]
     chosen_rank = (logprobs > chosen_lp).sum(dim=1) + 1  # [n]
     max_top = max(num_top, default=0)
-    top_lp, top_ids = (logprobs.topk(max_top, dim=1) if max_top else (None, None))
+    # each tensor leaves the device once (on a GPU, one copy each rather than one per value)
+    top_lp, top_ids = (t.tolist() for t in logprobs.topk(max_top, dim=1)) if max_top else ([], [])
+    chosen_ids, chosen_lps, chosen_ranks = chosen.tolist(), chosen_lp[:, 0].tolist(), chosen_rank.tolist()
     results = []
     for row, n_top in enumerate(num_top):
-        ids = [int(chosen[row])]
-        lps = [float(chosen_lp[row, 0])]
-        ranks = [int(chosen_rank[row])]
+        ids, lps, ranks = [chosen_ids[row]], [chosen_lps[row]], [chosen_ranks[row]]
         if n_top:
-            ids += top_ids[row, :n_top].tolist()
-            lps += top_lp[row, :n_top].tolist()
+            ids += top_ids[row][:n_top]
+            lps += top_lp[row][:n_top]
             ranks += list(range(1, n_top + 1))
         results.append(TokenLogprobs(token_ids=ids, logprobs=lps, ranks=ranks))
     return results
@@ -60,9 +60,10 @@ def _apply_penalties(logits: torch.Tensor, inputs: list[SamplingInput]) -> None:
         params = item.params
         if not params.has_penalties:
             continue
-        output_ids = torch.tensor(item.output_token_ids, dtype=torch.int64)
+        output_ids = torch.tensor(item.output_token_ids, dtype=torch.int64, device=logits.device)
         if params.repetition_penalty != 1.0:
-            seen = torch.tensor(item.prompt_token_ids + item.output_token_ids, dtype=torch.int64).unique()
+            seen = torch.tensor(item.prompt_token_ids + item.output_token_ids, dtype=torch.int64,
+                                device=logits.device).unique()
             values = logits[row, seen]
             penalty = params.repetition_penalty
             logits[row, seen] = torch.where(values > 0, values / penalty, values * penalty)
@@ -73,16 +74,17 @@ def _apply_penalties(logits: torch.Tensor, inputs: list[SamplingInput]) -> None:
 
 def _filter(logits: torch.Tensor, inputs: list[SamplingInput]) -> torch.Tensor:
     """min_p, top_k, top_p on temperature-scaled logits [n, vocab] -> masked logits."""
-    min_p = torch.tensor([i.params.min_p for i in inputs])
-    top_k = torch.tensor([i.params.effective_top_k for i in inputs])
-    top_p = torch.tensor([i.params.top_p for i in inputs])
-    if bool((min_p > 0).any()):
+    device = logits.device
+    min_p = torch.tensor([i.params.min_p for i in inputs], device=device)
+    top_k = torch.tensor([i.params.effective_top_k for i in inputs], device=device)
+    top_p = torch.tensor([i.params.top_p for i in inputs], device=device)
+    if any(i.params.min_p > 0 for i in inputs):  # decided from the params: no device round trip
         probs = logits.softmax(dim=-1)
         threshold = probs.max(dim=-1, keepdim=True).values * min_p.unsqueeze(1)
         logits = logits.masked_fill(probs < threshold, float("-inf"))
-    if bool((top_k > 0).any()) or bool((top_p < 1).any()):
+    if any(i.params.effective_top_k > 0 or i.params.top_p < 1 for i in inputs):
         sorted_logits, order = logits.sort(dim=-1, descending=True)
-        rank = torch.arange(logits.shape[1]).unsqueeze(0)  # [1, vocab]
+        rank = torch.arange(logits.shape[1], device=device).unsqueeze(0)  # [1, vocab]
         k = torch.where(top_k > 0, top_k, logits.shape[1]).unsqueeze(1)
         sorted_logits = sorted_logits.masked_fill(rank >= k, float("-inf"))
         sorted_probs = sorted_logits.softmax(dim=-1)
@@ -95,7 +97,8 @@ def _filter(logits: torch.Tensor, inputs: list[SamplingInput]) -> torch.Tensor:
 
 
 class Sampler:
-    """Picks one token per row of ``logits`` ([n, vocab] float32) under each row's params.
+    """Picks one token per row of ``logits`` ([n, vocab] float32) under each row's params, on
+    the device the logits are on (a seeded draw's noise comes from a CPU generator either way).
 
     Rows are independent (each row's operations read only that row, and its draw has its own
     generator), so when the batch fails, each row is sampled on its own: a row whose own
@@ -130,12 +133,13 @@ class Sampler:
         random_rows = [row for row, item in enumerate(inputs) if not item.params.is_greedy]
         if random_rows:
             subset = [inputs[row] for row in random_rows]
-            temperature = torch.tensor([item.params.temperature for item in subset]).unsqueeze(1)
+            temperature = torch.tensor([item.params.temperature for item in subset], device=logits.device).unsqueeze(1)
             scaled = _filter(processed[random_rows] / temperature, subset)
             probs = scaled.softmax(dim=-1)  # [r, vocab]
             for offset, (row, item) in enumerate(zip(random_rows, subset)):
+                # drawn on the CPU whatever the device: the same seed gives the same token on both
                 generator = torch.Generator().manual_seed(position_seed(item.seed, item.position))
-                noise = torch.empty(probs.shape[1]).exponential_(generator=generator)
+                noise = torch.empty(probs.shape[1]).exponential_(generator=generator).to(probs.device)
                 chosen[row] = (probs[offset] / noise).argmax()
         lp_rows = [row for row, wanted in enumerate(wants_logprobs) if wanted]
         token_lps: dict[int, TokenLogprobs] = {}
@@ -144,4 +148,4 @@ class Sampler:
                 raw_logprobs[lp_rows], chosen[lp_rows], [inputs[row].params.logprobs for row in lp_rows]
             )
             token_lps = dict(zip(lp_rows, gathered))
-        return [SampledToken(int(chosen[row]), token_lps.get(row)) for row in range(len(inputs))]
+        return [SampledToken(token, token_lps.get(row)) for row, token in enumerate(chosen.tolist())]
