@@ -15,9 +15,11 @@ shapes named below, so the check needs no hub.
    reported (how many tokens agree before the first difference), not judged: two bf16
    implementations that sum in different orders part ways on near-ties.
 2. The KV cache sized from `gpu_memory_utilization`: the blocks it got, and the memory left.
-3. Speed in bfloat16, against transformers' `generate` on the same GPU in the same run:
+3. Speed in bfloat16, against transformers' `generate` on the same GPU in the same run, and
+   against tandem itself with --enforce-eager (no decode graphs):
    - a batch of 64 requests of 250 prompt tokens and 128 output tokens (output tokens/s);
    - one request alone (ms per output token after the first).
+4. The sampler on the device against the same logits on the CPU: the same token in every row.
 It prints one table and, with --json, writes the figures to a file.
 """
 
@@ -117,6 +119,8 @@ def check_tokens(directory: Path, device: str, dtype: torch.dtype, smoke: bool) 
         outs = llm.generate([{"prompt_token_ids": p} for p in wave], params)
         ours += [out.outputs[0].token_ids for out in outs]
         hits += sum(out.num_cached_tokens for out in outs) if wave is second else 0
+    graphs = llm.engine_core.runner.decode_graphs
+    replays = graphs.num_replays if graphs is not None else 0
     del llm
     hf = load_hf(directory, dtype, device)
     with torch.no_grad():
@@ -127,7 +131,7 @@ def check_tokens(directory: Path, device: str, dtype: torch.dtype, smoke: bool) 
     agree = [agreed(list(a), b) for a, b in zip(ours, theirs)]
     result = {"dtype": str(dtype).removeprefix("torch."), "sequences": len(ours), "tokens_each": max_new,
               "identical": sum(a == max_new for a in agree), "agreed_before_first_difference": agree,
-              "prefix_cache_hit_tokens": hits}
+              "prefix_cache_hit_tokens": hits, "decode_graph_replays": replays}
     return result, first + second + batch, theirs
 
 
@@ -162,6 +166,35 @@ def check_bf16_against_float32(directory: Path, device: str, prompts: list[list[
     return {"positions": positions, "tandem": ours / positions, "transformers": theirs / positions}
 
 
+def check_sampler(device: str) -> dict:
+    """Sampling where the logits are (the GPU) against the same logits on the CPU: every kind of
+    row (greedy; seeded draws under temperature, top-k, top-p and min-p; penalties; min_tokens;
+    logprobs) must pick the same token, and the logprobs must agree."""
+    from engine.sampler import Sampler
+    from engine.sampling_params import SamplingParams
+    from engine.scheduler_types import SamplingInput
+
+    kinds = [SamplingParams(temperature=0.0, logprobs=3), SamplingParams(temperature=0.8, seed=1),
+             SamplingParams(temperature=1.0, top_k=50, top_p=0.9, seed=2, logprobs=2),
+             SamplingParams(temperature=0.7, min_p=0.05, seed=3),
+             SamplingParams(temperature=0.0, repetition_penalty=1.3, frequency_penalty=0.5, presence_penalty=0.2),
+             SamplingParams(temperature=0.0, min_tokens=4, stop_token_ids=[7])]
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(4 * len(kinds), VOCAB, generator=generator) * 4
+    inputs = [SamplingInput(kinds[row % len(kinds)], seed=row, position=10 + row, prompt_token_ids=[5, 6, 7],
+                            output_token_ids=[7, 8], eos_token_ids=(2,)) for row in range(len(logits))]
+    logits[:, 7] = logits.max() + 1  # the stop token would win where min_tokens does not block it
+    cpu = Sampler()(logits.clone(), inputs)
+    ours = Sampler()(logits.to(device), inputs)
+    same = sum(a.token_id == b.token_id for a, b in zip(cpu, ours))
+    worst = 0.0
+    for a, b in zip(cpu, ours):
+        if a.logprobs is not None:
+            assert a.logprobs.token_ids == b.logprobs.token_ids
+            worst = max(worst, *(abs(x - y) for x, y in zip(a.logprobs.logprobs, b.logprobs.logprobs)))
+    return {"rows": len(inputs), "same_token": same, "max_logprob_difference": worst}
+
+
 def check_kv_sizing(directory: Path, device: str) -> dict:
     from engine import LLM
 
@@ -184,12 +217,14 @@ def sync(device: str) -> None:
 
 
 def time_engine(directory: Path, device: str, batch: int, prompt_len: int, max_new: int,
-                profile: bool = False) -> dict:
+                profile: bool = False, enforce_eager: bool = False) -> dict:
     from engine import LLM, SamplingParams
 
     llm = LLM(model=str(directory), dtype=torch.bfloat16, device=device, num_kv_blocks=4096, max_model_len=2048,
-              max_num_seqs=max(batch, 1), max_num_batched_tokens=8192, seed=0)
-    llm.engine_core.warm_up()
+              max_num_seqs=max(batch, 1), max_num_batched_tokens=8192, seed=0, enforce_eager=enforce_eager)
+    start = time.perf_counter()
+    llm.engine_core.warm_up()  # on a GPU: compiles the kernels and captures the decode graphs
+    warm_up_s = time.perf_counter() - start
     params = SamplingParams(temperature=0.0, max_tokens=max_new, ignore_eos=True)
     many = [{"prompt_token_ids": p} for p in prompts_for([prompt_len] * batch, seed=7)]
     first, alone = ([{"prompt_token_ids": p}] for p in prompts_for([prompt_len] * 2, seed=8))
@@ -212,8 +247,11 @@ def time_engine(directory: Path, device: str, batch: int, prompt_len: int, max_n
     llm.generate(alone, params)
     sync(device)
     alone_s = time.perf_counter() - start
+    graphs = llm.engine_core.runner.decode_graphs
     result = {"batch_tok_s": batch * max_new / batch_s,
-              "alone_ms_per_token": 1000 * (alone_s - first_s) / (max_new - 1)}
+              "alone_ms_per_token": 1000 * (alone_s - first_s) / (max_new - 1), "warm_up_s": warm_up_s,
+              "decode_graphs": None if graphs is None else {"captured": len(graphs.graphs),
+                                                            "replays": graphs.num_replays}}
     if profile:
         result["profile"] = profile_steps(llm, batch, prompt_len, device)
     del llm
@@ -320,12 +358,16 @@ def main(argv: list[str] | None = None) -> int:
                         entry["bf16_top1"] = check_bf16_against_float32(directory, device, prompts, reference)
                 if seed == 0:
                     report["kv_sizing"] = check_kv_sizing(directory, device)
+                    report["sampler"] = check_sampler(device)
+                    failed |= report["sampler"]["same_token"] != report["sampler"]["rows"]
             if args.only in (None, "speed"):
                 batch, prompt_len, max_new = (4, 20, 8) if args.smoke else (64, 250, 128)
                 ours = time_engine(directory, device, batch, prompt_len, max_new, profile=args.profile)
+                eager = time_engine(directory, device, batch, prompt_len, max_new, profile=args.profile,
+                                    enforce_eager=True)
                 theirs = time_hf(directory, device, batch, prompt_len, max_new)
                 entry["speed"] = {"workload": f"{batch} x {prompt_len} in / {max_new} out, bf16", "tandem": ours,
-                                  "transformers": theirs,
+                                  "tandem_eager": eager, "transformers": theirs,
                                   "batch_ratio": ours["batch_tok_s"] / theirs["batch_tok_s"],
                                   "alone_ratio": theirs["alone_ms_per_token"] / ours["alone_ms_per_token"]}
         except Exception:  # noqa: BLE001 - the report names it and the exit status says so
@@ -334,8 +376,9 @@ def main(argv: list[str] | None = None) -> int:
             failed = True
         print(json.dumps({name: entry}, indent=1), flush=True)
     for name, entry in report["shapes"].items():
-        if "profile" in entry.get("speed", {}).get("tandem", {}):
-            print(f"\n## {name}: {entry['speed']['tandem']['profile']}")
+        for key in ("tandem", "tandem_eager"):
+            if "profile" in entry.get("speed", {}).get(key, {}):
+                print(f"\n## {name}, {key}: {entry['speed'][key]['profile']}")
     print(render(report))
     if args.json:
         args.json.write_text(json.dumps(report, indent=1))
@@ -367,6 +410,15 @@ def render(report: dict) -> str:
             lines.append(f"| {name} | one request: ms per output token | tandem "
                          f"{speed['tandem']['alone_ms_per_token']:.2f}, transformers "
                          f"{speed['transformers']['alone_ms_per_token']:.2f} ({speed['alone_ratio']:.2f}x) |")
+            if "tandem_eager" in speed:
+                eager = speed["tandem_eager"]
+                lines.append(f"| {name} | tandem --enforce-eager (no decode graphs) | {eager['batch_tok_s']:.0f} "
+                             f"tok/s, {eager['alone_ms_per_token']:.2f} ms per token alone |")
+    if report.get("sampler"):
+        sampler = report["sampler"]
+        verdict = "met" if sampler["same_token"] == sampler["rows"] else "MISSED"
+        lines.append(f"| sampler | on the device vs the CPU, same logits | {sampler['same_token']}/{sampler['rows']} "
+                     f"same token ({verdict}); logprobs differ by at most {sampler['max_logprob_difference']:.1e} |")
     if report.get("kv_sizing"):
         sizing = report["kv_sizing"]
         lines.append(f"| KV sizing | gpu_memory_utilization 0.9 | {sizing['num_kv_blocks']} blocks; "

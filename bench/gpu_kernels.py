@@ -98,19 +98,24 @@ def copy_bandwidth(device: str, nbytes: int, bench) -> float:
     return 2 * nbytes / (ms / 1e3)
 
 
+def decode_inputs(device: str, batch: int, context: int) -> tuple[torch.Tensor, ...]:
+    """Random bf16 query, KV cache in shuffled blocks, block tables, lengths and an output."""
+    blocks_per_seq = -(-context // BLOCK)
+    cache = torch.empty(batch * blocks_per_seq, BLOCK, 2 * KV_HEADS, HEAD_DIM, dtype=torch.bfloat16,
+                        device=device).normal_()
+    tables = torch.randperm(batch * blocks_per_seq, device=device, dtype=torch.int32).view(batch, -1)
+    lens = torch.full((batch,), context, dtype=torch.int32, device=device)
+    query = torch.randn(batch, HEADS, HEAD_DIM, device=device, dtype=torch.bfloat16)
+    return query, cache, tables, lens, torch.empty_like(query)
+
+
 def time_decode(device: str, bench, batches, contexts) -> list[dict]:
     from engine.triton_ops.paged_decode import paged_decode_attention
 
     rows = []
     for context in contexts:
         for batch in batches:
-            blocks_per_seq = -(-context // BLOCK)
-            cache = torch.empty(batch * blocks_per_seq, BLOCK, 2 * KV_HEADS, HEAD_DIM, dtype=torch.bfloat16,
-                                device=device).normal_()
-            tables = torch.randperm(batch * blocks_per_seq, device=device, dtype=torch.int32).view(batch, -1)
-            lens = torch.full((batch,), context, dtype=torch.int32, device=device)
-            query = torch.randn(batch, HEADS, HEAD_DIM, device=device, dtype=torch.bfloat16)
-            out = torch.empty_like(query)
+            query, cache, tables, lens, out = decode_inputs(device, batch, context)
             nbytes = batch * context * 2 * KV_HEADS * HEAD_DIM * 2  # the K and V (bf16) each step must read
             timed = {}
             for label, splits in (("auto", None), ("1", 1)):
@@ -120,6 +125,23 @@ def time_decode(device: str, bench, batches, contexts) -> list[dict]:
             rows.append({"batch": batch, "context": context, "bytes": nbytes,
                          "ms": timed["auto"][0], "bandwidth": timed["auto"][1],
                          "ms_single_pass": timed["1"][0], "bandwidth_single_pass": timed["1"][1]})
+    return rows
+
+
+def time_split_sweep(device: str, bench, batches, contexts, splits=(1, 2, 4, 8, 16, 32)) -> list[dict]:
+    """Paged decode at each split count, to place ``choose_num_splits``'s threshold: for each
+    (batch, context), every split count's time and the count the heuristic picks."""
+    from engine.triton_ops.paged_decode import choose_num_splits, paged_decode_attention
+
+    rows = []
+    for context in contexts:
+        for batch in batches:
+            query, cache, tables, lens, out = decode_inputs(device, batch, context)
+            ms = {n: bench(lambda n=n: paged_decode_attention(query, cache, tables, lens, out=out, num_splits=n))
+                  for n in splits}
+            best = min(ms, key=ms.get)
+            rows.append({"batch": batch, "context": context, "ms": {str(n): t for n, t in ms.items()},
+                         "best": best, "chosen": choose_num_splits(batch, KV_HEADS, context, torch.device(device))})
     return rows
 
 
@@ -145,6 +167,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, interpreted on the CPU (no GPU needed)")
     parser.add_argument("--json", help="also write the results here")
+    parser.add_argument("--split-sweep", action="store_true",
+                        help="also time every split count at contexts 512 to 32k and batches 1 to 64 (on a GPU: "
+                             "GPU time, each call inside a CUDA graph)")
     args = parser.parse_args(argv)
     if args.smoke:
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel is defined
@@ -178,6 +203,17 @@ def main(argv: list[str] | None = None) -> int:
     pack = time_pack(device, bench, tokens, layers)
     results.update(copy_bandwidth=copy_bw, decode=decode, pack=pack)
     print("\n".join(render_table(checks, copy_bw, copy_bytes, decode, pack, judge_speed=not args.smoke)))
+    if args.split_sweep:
+        sweep_batches, sweep_contexts = ((1, 2), (64, 128)) if args.smoke else (
+            (1, 4, 8, 16, 32, 64), (512, 1024, 2048, 4096, 8192, 32768))
+        # on a GPU each call is timed inside a CUDA graph, as the engine runs it: the host's
+        # launch cost (larger for two launches than for one) is not in the figure
+        results["split_sweep"] = time_split_sweep(device, bench if args.smoke else _graph_bench, sweep_batches,
+                                                  sweep_contexts)
+        print("\n| batch | context | ms at 1/2/4/8/16/32 splits | best | chosen |\n|---|---|---|---|---|")
+        for row in results["split_sweep"]:
+            times = " / ".join(f"{t:.4f}" for t in row["ms"].values())
+            print(f"| {row['batch']} | {row['context']} | {times} | {row['best']} | {row['chosen']} |")
     if args.smoke:
         print("(interpreted on the CPU: the timings say nothing about a GPU)")
     print("NCCL point-to-point: not checked (one GPU; NCCL refuses two ranks on one device)")
@@ -217,6 +253,25 @@ def render_table(checks, copy_bw: float, copy_bytes: int, decode: list[dict], pa
                      f"{row['bandwidth'] / 1e9:.0f} | {row['bandwidth'] / copy_bw:.0%} | "
                      f">= 80%: {speed(row['bandwidth'] >= 0.8 * copy_bw)} |")
     return lines
+
+
+def _graph_bench(fn, calls: int = 20, replays: int = 20) -> float:
+    """Milliseconds per call of ``fn`` on the GPU alone: ``calls`` calls captured in one CUDA
+    graph, replayed ``replays`` times between two events (after a warm-up)."""
+    fn()  # compiles outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / (calls * replays)
 
 
 def _wall_clock_bench(fn, repeats: int = 3) -> float:

@@ -352,6 +352,28 @@ def test_the_gpu_check_script_runs_interpreted_with_only_torch_and_triton():
     assert result.stdout.count("\n|---") == 1  # one table
 
 
+def test_the_gpu_scripts_split_sweep_times_every_count_and_names_the_fastest():
+    """--split-sweep (what places choose_num_splits's threshold on a GPU), here interpreted: one row
+    per (batch, context), a time for every split count, the fastest named, and the heuristic's
+    choice (1 off CUDA)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_kernels", ROOT / "bench" / "gpu_kernels.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    calls = []
+
+    def bench(fn):  # counts the calls and times them like the script's own wall-clock bench
+        calls.append(fn)
+        return script._wall_clock_bench(fn, repeats=1)
+
+    rows = script.time_split_sweep("cpu", bench, (1, 2), (64,), splits=(1, 2, 4))
+    assert [(r["batch"], r["context"]) for r in rows] == [(1, 64), (2, 64)] and len(calls) == 6
+    for row in rows:
+        assert set(row["ms"]) == {"1", "2", "4"} and row["chosen"] == 1
+        assert row["ms"][str(row["best"])] == min(row["ms"].values())
+
+
 def test_the_gpu_script_judges_the_targets_against_the_copy():
     import importlib.util
 
