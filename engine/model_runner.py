@@ -51,9 +51,16 @@ class ModelRunner:
             self.num_forward_calls += 1
             self.num_tokens_processed += len(seqs)
             return self._sample(seqs, graphs.run(seqs))
-        input_ids, positions, slot_mapping = [], [], []
         bs = self.kv_cache.block_size
-        for seq in seqs:
+        num_decodes = sum(1 for s in seqs if len(s.token_ids) == 1)
+        # decodes: one position and one slot each, as plain ints (one tensor for all of them,
+        # not three small tensors per sequence); prompt chunks: tensors of their ranges
+        decode_positions = [s.start_pos for s in seqs[:num_decodes]]
+        positions = [torch.tensor(decode_positions, dtype=torch.int64)]
+        slot_mapping = [torch.tensor([s.block_ids[p // bs] * bs + p % bs for s, p in zip(seqs, decode_positions)],
+                                     dtype=torch.int64)]
+        input_ids = [s.token_ids[0] for s in seqs[:num_decodes]]
+        for seq in seqs[num_decodes:]:
             end = seq.start_pos + len(seq.token_ids)
             input_ids.extend(seq.token_ids)
             positions.append(torch.arange(seq.start_pos, end))
@@ -62,8 +69,8 @@ class ModelRunner:
             query_lens=[len(s.token_ids) for s in seqs],
             seq_lens=[s.start_pos + len(s.token_ids) for s in seqs],
             block_tables=[s.block_ids for s in seqs],
-            slot_mapping=torch.cat(slot_mapping),
-            num_decodes=sum(1 for s in seqs if len(s.token_ids) == 1),
+            slot_mapping=torch.cat(slot_mapping) if len(slot_mapping) > 1 else slot_mapping[0],
+            num_decodes=num_decodes,
             block_size=bs,
         )
         metadata = self.backend.build_metadata(layout)
@@ -71,7 +78,8 @@ class ModelRunner:
         self.num_tokens_processed += len(input_ids)
         device = self.kv_cache.storage.device
         hidden = self.model(
-            torch.tensor(input_ids, dtype=torch.int64).to(device), torch.cat(positions).to(device),
+            torch.tensor(input_ids, dtype=torch.int64).to(device),
+            (torch.cat(positions) if len(positions) > 1 else positions[0]).to(device),
             self.kv_cache.layers, metadata, hook,
         )  # [num_tokens, hidden]
         return self._sample(seqs, hidden)

@@ -56,10 +56,9 @@ class TorchAttentionBackend(AttentionBackend):
         bs = layout.block_size
         n_dec = layout.num_decodes
         max_blocks = max((len(t) for t in layout.block_tables[:n_dec]), default=0)
-        block_ids = torch.zeros((n_dec, max_blocks), dtype=torch.int64)
-        for i in range(n_dec):
-            table = layout.block_tables[i]
-            block_ids[i, : len(table)] = torch.tensor(table, dtype=torch.int64)
+        # one tensor from padded lists, not one small tensor per sequence
+        block_ids = torch.tensor([t + [0] * (max_blocks - len(t)) for t in layout.block_tables[:n_dec]],
+                                 dtype=torch.int64).reshape(n_dec, max_blocks)
         seq_lens = torch.tensor(layout.seq_lens[:n_dec], dtype=torch.int64)
         # torch path only: which gathered slots are context ([n_dec, max_blocks * bs])
         gathered = max_blocks * bs if self.native is None else 0
