@@ -20,6 +20,8 @@ shapes named below, so the check needs no hub.
    - a batch of 64 requests of 250 prompt tokens and 128 output tokens (output tokens/s);
    - one request alone (ms per output token after the first).
 4. The sampler on the device against the same logits on the CPU: the same token in every row.
+5. A worker's engine thread (EngineLoop): built, warmed up and stepped on its own thread, with
+   requests added from another while others decode; each gets the tokens it gets alone.
 It prints one table and, with --json, writes the figures to a file.
 """
 
@@ -195,6 +197,55 @@ def check_sampler(device: str) -> dict:
     return {"rows": len(inputs), "same_token": same, "max_logprob_difference": worst}
 
 
+def check_engine_loop(directory: Path, device: str, smoke: bool) -> dict:
+    """A worker's engine thread (engine/engine_loop.py): it builds the core and warms it up there
+    (on a GPU: the decode graphs are captured on that thread), then serves requests added from
+    this thread while others are decoding, some greedy and some seeded draws. Each request's
+    tokens must equal what ``LLM.generate`` gives for it alone on the same device."""
+    import threading
+
+    from engine import LLM, SamplingParams
+    from engine.engine_loop import AddRequest, EngineLoop, build_engine
+    from engine.llm import EngineArgs
+
+    kwargs = dict(model=str(directory), dtype=torch.float32, device=device, num_kv_blocks=1024, max_model_len=1024,
+                  max_num_seqs=16, seed=0)
+    prompts = prompts_for([9 + 13 * i for i in range(12)], seed=4)
+    max_new = 6 if smoke else 20
+    params = [SamplingParams(temperature=0.0 if i % 2 == 0 else 0.9, top_p=0.95, seed=i, max_tokens=max_new,
+                             ignore_eos=True) for i in range(len(prompts))]
+    loop = EngineLoop(lambda: build_engine(EngineArgs(**kwargs)))
+    tokens: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
+    done = threading.Semaphore(0)
+
+    def listener_for(index):
+        def listen(output):
+            tokens[index].extend(output.new_token_ids)
+            if output.finish_reason:
+                done.release()
+        return listen
+
+    loop.start()
+    try:
+        for index, (prompt, param) in enumerate(zip(prompts, params)):
+            loop.add(AddRequest(f"loop-{index}", prompt, param, listener_for(index))).result(60)
+            time.sleep(0.002 * (index % 3))  # requests join while others decode
+        finished = sum(done.acquire(timeout=120) for _ in prompts)
+        graphs = loop.core.runner.decode_graphs
+        replays = graphs.num_replays if graphs is not None else 0
+    finally:
+        loop.stop()
+    del loop
+    llm = LLM(**kwargs)
+    alone = [llm.generate([{"prompt_token_ids": p}], param)[0].outputs[0].token_ids
+             for p, param in zip(prompts, params)]
+    del llm
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    same = sum(tokens[i] == list(alone[i]) for i in range(len(prompts)))
+    return {"requests": len(prompts), "finished": finished, "same_as_alone": same, "decode_graph_replays": replays}
+
+
 def check_kv_sizing(directory: Path, device: str) -> dict:
     from engine import LLM
 
@@ -360,6 +411,8 @@ def main(argv: list[str] | None = None) -> int:
                     report["kv_sizing"] = check_kv_sizing(directory, device)
                     report["sampler"] = check_sampler(device)
                     failed |= report["sampler"]["same_token"] != report["sampler"]["rows"]
+                    report["engine_loop"] = check_engine_loop(directory, device, args.smoke)
+                    failed |= report["engine_loop"]["same_as_alone"] != report["engine_loop"]["requests"]
             if args.only in (None, "speed"):
                 batch, prompt_len, max_new = (4, 20, 8) if args.smoke else (64, 250, 128)
                 ours = time_engine(directory, device, batch, prompt_len, max_new, profile=args.profile)
@@ -419,6 +472,12 @@ def render(report: dict) -> str:
         verdict = "met" if sampler["same_token"] == sampler["rows"] else "MISSED"
         lines.append(f"| sampler | on the device vs the CPU, same logits | {sampler['same_token']}/{sampler['rows']} "
                      f"same token ({verdict}); logprobs differ by at most {sampler['max_logprob_difference']:.1e} |")
+    if report.get("engine_loop"):
+        loop = report["engine_loop"]
+        verdict = "met" if loop["same_as_alone"] == loop["requests"] else "MISSED"
+        lines.append(f"| engine thread | {loop['requests']} requests added while others decode (float32, greedy and "
+                     f"seeded draws) | {loop['finished']} finished, {loop['same_as_alone']} with the tokens each gets "
+                     f"alone ({verdict}); {loop['decode_graph_replays']} graph replays |")
     if report.get("kv_sizing"):
         sizing = report["kv_sizing"]
         lines.append(f"| KV sizing | gpu_memory_utilization 0.9 | {sizing['num_kv_blocks']} blocks; "
