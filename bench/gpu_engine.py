@@ -246,6 +246,38 @@ def check_engine_loop(directory: Path, device: str, smoke: bool) -> dict:
     return {"requests": len(prompts), "finished": finished, "same_as_alone": same, "decode_graph_replays": replays}
 
 
+def check_capture_failure(directory: Path, device: str) -> dict:
+    """A decode graph whose capture fails on the device (here: the first capture meets a device
+    synchronisation, which CUDA refuses while a stream captures) leaves that size eager; the
+    engine goes on, and its tokens equal an --enforce-eager engine's."""
+    from engine import LLM, SamplingParams
+
+    if device != "cuda":
+        return {}
+    kwargs = dict(model=str(directory), dtype=torch.float32, device=device, num_kv_blocks=1024, max_model_len=1024,
+                  max_num_seqs=16, seed=0)
+    requests = [{"prompt_token_ids": p} for p in prompts_for([20, 45, 70], seed=6)]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    expected = [o.outputs[0].token_ids for o in LLM(**kwargs, enforce_eager=True).generate(requests, params)]
+    llm = LLM(**kwargs)
+    model, forward, tripped = llm.engine_core.model, llm.engine_core.model.forward, []
+
+    def forward_that_syncs_once_while_capturing(*args, **kw):
+        if torch.cuda.is_current_stream_capturing() and not tripped:
+            tripped.append(True)
+            torch.cuda.synchronize()  # not permitted during a capture: this capture fails
+        return forward(*args, **kw)
+
+    model.forward = forward_that_syncs_once_while_capturing
+    ours = [o.outputs[0].token_ids for o in llm.generate(requests, params)]
+    graphs = llm.engine_core.runner.decode_graphs
+    result = {"capture_failures": graphs.num_capture_failures, "graphs": len(graphs.graphs),
+              "replays": graphs.num_replays, "same_tokens": ours == expected}
+    del llm
+    torch.cuda.empty_cache()
+    return result
+
+
 def check_kv_sizing(directory: Path, device: str) -> dict:
     from engine import LLM
 
@@ -413,6 +445,8 @@ def main(argv: list[str] | None = None) -> int:
                     failed |= report["sampler"]["same_token"] != report["sampler"]["rows"]
                     report["engine_loop"] = check_engine_loop(directory, device, args.smoke)
                     failed |= report["engine_loop"]["same_as_alone"] != report["engine_loop"]["requests"]
+                    report["capture_failure"] = check_capture_failure(directory, device)
+                    failed |= report["capture_failure"].get("same_tokens") is False
             if args.only in (None, "speed"):
                 batch, prompt_len, max_new = (4, 20, 8) if args.smoke else (64, 250, 128)
                 ours = time_engine(directory, device, batch, prompt_len, max_new, profile=args.profile)
@@ -478,6 +512,12 @@ def render(report: dict) -> str:
         lines.append(f"| engine thread | {loop['requests']} requests added while others decode (float32, greedy and "
                      f"seeded draws) | {loop['finished']} finished, {loop['same_as_alone']} with the tokens each gets "
                      f"alone ({verdict}); {loop['decode_graph_replays']} graph replays |")
+    if report.get("capture_failure"):
+        capture = report["capture_failure"]
+        verdict = "met" if capture["same_tokens"] and capture["capture_failures"] == 1 else "MISSED"
+        lines.append(f"| decode graphs | one capture fails on the device | {capture['capture_failures']} failed, "
+                     f"{capture['graphs']} keys, {capture['replays']} replays; tokens equal --enforce-eager's: "
+                     f"{capture['same_tokens']} ({verdict}) |")
     if report.get("kv_sizing"):
         sizing = report["kv_sizing"]
         lines.append(f"| KV sizing | gpu_memory_utilization 0.9 | {sizing['num_kv_blocks']} blocks; "

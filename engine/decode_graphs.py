@@ -13,6 +13,9 @@ from the sequence lengths on the device, so one graph serves every context its s
 covers. ``capture_common`` captures every bucket with a single pass at start-up (the worker's
 warm-up); a split count first needed later is captured when it first comes.
 
+A capture that fails (an unsupported operation in a model, a driver error) is reported on
+stderr and leaves that key eager: the step runs the same forward over the same buffers.
+
 Off CUDA (``capture=False``) the same buffers, padding and keys are used, but each "replay"
 runs the forward eagerly. That is the in-process twin the CPU tests drive, with the Triton
 kernels interpreted.
@@ -20,6 +23,7 @@ kernels interpreted.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 
 import torch
@@ -61,6 +65,7 @@ class DecodeGraphs:
         self.num_captures = 0
         self.num_replays = 0
         self.num_padded_rows = 0  # padding rows replayed, over all steps
+        self.num_capture_failures = 0  # keys that run eagerly because their capture failed
 
     def fits(self, seqs: list[ScheduledSeq]) -> bool:
         """Every sequence decodes one token, and the batch and each block table fit the buffers."""
@@ -127,9 +132,21 @@ class DecodeGraphs:
             return self.model(input_ids, positions, self.kv_cache.layers, metadata)
 
         self.num_captures += 1
-        if not self.capture:
-            forward()  # what a capture runs eagerly first (capture_graph)
+        try:
+            graph, out = self._record(forward)
+        except Exception as exc:  # a failed capture costs this key its graph, not the worker
+            self.num_capture_failures += 1
+            print(f"[tandem] decode graph for batch {bucket} ({self._splits(bucket, longest)} splits) failed to "
+                  f"capture ({type(exc).__name__}: {exc}); that size runs eagerly", file=sys.stderr, flush=True)
             return None, forward
+        return (graph, out) if graph is not None else (None, forward)
+
+    def _record(self, forward: Callable[[], torch.Tensor]) -> tuple[torch.cuda.CUDAGraph | None, object]:
+        """(graph, its output); off CUDA (None, None) after running ``forward`` once, as a
+        capture runs it eagerly first (capture_graph)."""
+        if not self.capture:
+            forward()
+            return None, None
         return capture_graph(forward, self.pool)
 
 

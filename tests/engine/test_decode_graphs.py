@@ -126,3 +126,30 @@ def test_enforce_eager_reaches_the_engine_config(tiny_llama_dir):
     assert llm.engine_core.config.enforce_eager is True
     assert llm.engine_core.runner.decode_graphs is None
     assert _engine(tiny_llama_dir).engine_core.runner.decode_graphs is None  # CPU: no CUDA graphs
+
+
+def test_a_capture_that_fails_leaves_that_size_eager_and_the_tokens_right(tiny_llama_dir, prompts, monkeypatch,
+                                                                          capsys):
+    """The first capture raises (as a CUDA capture does on an operation it cannot record): the
+    worker says so on stderr, that key runs the forward eagerly over the same buffers from then
+    on, and every request still gets the eager engine's tokens."""
+    from engine import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    requests = [{"prompt_token_ids": p} for p in prompts[:3]]
+    eager = [o.outputs[0].token_ids for o in _engine(tiny_llama_dir).generate(requests, params)]
+    llm = _engine(tiny_llama_dir)
+    graphs = _with_twin(llm)
+    record, failed = graphs._record, []
+
+    def first_fails(forward):
+        if not failed:
+            failed.append(True)
+            raise RuntimeError("operation not permitted when stream is capturing")
+        return record(forward)
+
+    monkeypatch.setattr(graphs, "_record", first_fails)
+    assert [o.outputs[0].token_ids for o in llm.generate(requests, params)] == eager
+    assert graphs.num_capture_failures == 1 and graphs.num_replays > 0
+    assert len(graphs.graphs) >= 2  # the failed key stays (eager), the others were captured
+    assert "failed to capture (RuntimeError: operation not permitted" in capsys.readouterr().err
