@@ -10,8 +10,9 @@ attention reads one position of a valid block, and their outputs are dropped.
 A graph is keyed by (bucket, decode splits): the split-K choice is made on the host from the
 longest context, and the grid it picks is baked into the capture. Each split reads its range
 from the sequence lengths on the device, so one graph serves every context its split count
-covers. ``capture_common`` captures every bucket with a single pass at start-up (the worker's
-warm-up); a split count first needed later is captured when it first comes.
+covers. ``capture_common`` captures every bucket with every split count it can get at start-up
+(the worker's warm-up); a key still missing (``capture_common`` not run) is captured when it
+first comes.
 
 A capture that fails (an unsupported operation in a model, a driver error) is reported on
 stderr and leaves that key eager: the step runs the same forward over the same buffers.
@@ -24,6 +25,7 @@ kernels interpreted.
 from __future__ import annotations
 
 import sys
+import time
 from collections.abc import Callable
 
 import torch
@@ -104,12 +106,32 @@ class DecodeGraphs:
         return hidden[:num]
 
     def capture_common(self) -> None:
-        """Capture a single-pass graph for every bucket (largest first, as the pool grows best
-        that way), with every row padding: nothing is written to the KV cache."""
-        for bucket in sorted((b for b in BUCKETS if b <= self.max_batch), reverse=True):
+        """Capture every graph a step can need: each bucket (largest first, as the pool grows
+        best that way) with each split count the split-K choice gives it for some context up to
+        the model's length. Every row is padding, so nothing is written to the KV cache. Done
+        at start-up, this is also when Triton compiles the split kernels, which would otherwise
+        stall the first step whose contexts cross a split threshold (a second on an H200)."""
+        started = time.perf_counter()
+        buckets = sorted((b for b in BUCKETS if b <= self.max_batch), reverse=True)
+        for bucket in buckets:
             self.tokens[:, :bucket] = torch.tensor([[0], [0], [-1]], dtype=torch.int64)
             self.seq_lens[:bucket] = 1
-            self._graph(bucket, 1)
+            for longest in self._split_thresholds(bucket):
+                self._graph(bucket, longest)
+        kind = "captured" if self.capture else "prepared (eager twin)"
+        print(f"[tandem] decode graphs {kind} for batch sizes 1-{buckets[0]} ({len(buckets)} sizes, "
+              f"{len(self.graphs)} graphs) in {time.perf_counter() - started:.2f} s", file=sys.stderr, flush=True)
+
+    def _split_thresholds(self, bucket: int) -> list[int]:
+        """For each split count this bucket can get, the shortest context that gets it
+        (contexts 1, 2, 4, ... up to the model's length; the choice never falls as they grow)."""
+        first: dict[int, int] = {}
+        longest, limit = 1, self.width * self.kv_cache.block_size
+        while True:
+            first.setdefault(self._splits(bucket, min(longest, limit)), min(longest, limit))
+            if longest >= limit:
+                return sorted(first.values())
+            longest *= 2
 
     def _splits(self, bucket: int, longest: int) -> int:
         from engine.triton_ops.paged_decode import choose_num_splits

@@ -161,7 +161,8 @@ class EngineCore:
         each kernel on its first launch. The prompt stays under one block, so nothing enters the
         prefix cache; counters start over afterwards. (Split-K decode, chosen only for long
         contexts at small batches, compiles on its first use.) On a GPU it then captures the
-        decode graphs of every batch bucket (engine/decode_graphs.py)."""
+        decode graphs of every batch bucket and split count (engine/decode_graphs.py), which
+        compiles the split-K kernels too."""
         prompt = [0] * max(1, min(self.config.cache.block_size // 2, self.config.model.max_model_len - 3))
         params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True, seed=0)
         self.add_request(self.make_request("tandem-warm-up", prompt, params))

@@ -76,10 +76,16 @@ def test_decode_steps_through_the_static_buffers_generate_the_eager_tokens(tiny_
         assert LAUNCHES["paged_decode_split"] > before
 
 
-def test_capturing_every_bucket_writes_nothing_into_the_kv_cache(tiny_llama_dir, prompts):
-    """``capture_common`` (a GPU worker's warm-up) runs each bucket over padding rows only: every
-    K/V write is skipped, so blocks that hold a request's context are untouched."""
+def test_capturing_every_bucket_writes_nothing_into_the_kv_cache(tiny_llama_dir, prompts, capsys, monkeypatch):
+    """``capture_common`` (a GPU worker's warm-up) runs each bucket, with each split count it can
+    get, over padding rows only: every K/V write is skipped, so blocks that hold a request's
+    context are untouched."""
     from engine import SamplingParams
+
+    def choose(num_seqs, num_kv_heads, longest, device):  # split-K once contexts pass 40 positions
+        return 2 if longest > 40 else 1
+
+    monkeypatch.setattr(paged_decode, "choose_num_splits", choose)
 
     llm = _engine(tiny_llama_dir)
     llm.generate([{"prompt_token_ids": prompts[2]}], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
@@ -87,10 +93,12 @@ def test_capturing_every_bucket_writes_nothing_into_the_kv_cache(tiny_llama_dir,
     assert core.block_pool.num_cached_blocks > 0  # the prompt's full blocks stay cached
     snapshot = core.kv_cache.storage.clone()
     graphs = _with_twin(llm)
-    launched = LAUNCHES["kv_write"]
+    launched, split = LAUNCHES["kv_write"], LAUNCHES["paged_decode_split"]
     graphs.capture_common()
-    assert {bucket for bucket, _ in graphs.graphs} == {1, 2, 4, 8}
-    assert LAUNCHES["kv_write"] - launched == 4 * core.config.model.arch.num_hidden_layers
+    assert set(graphs.graphs) == {(bucket, splits) for bucket in (1, 2, 4, 8) for splits in (1, 2)}
+    assert "decode graphs prepared (eager twin) for batch sizes 1-8 (4 sizes, 8 graphs) in" in capsys.readouterr().err
+    layers = core.config.model.arch.num_hidden_layers
+    assert LAUNCHES["kv_write"] - launched == 8 * layers and LAUNCHES["paged_decode_split"] - split == 4 * layers
     assert torch.equal(core.kv_cache.storage.nan_to_num(), snapshot.nan_to_num())
     # and the cached prefix still gives what a fresh engine computes
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
