@@ -150,7 +150,11 @@ class ModelRunner:
         if sample_rows:
             # [num_sampled, vocab], sampled where they are: on a GPU only the token ids (and the
             # logprobs asked for) come back to the host, not the whole logits
-            logits = self.model.compute_logits(hidden[sample_rows])
+            first, count = sample_rows[0], len(sample_rows)
+            # increasing rows: when they are contiguous (every decode step), a view, not a gather
+            # through an index list (on a GPU, that list is copied to the device first)
+            rows = slice(first, first + count) if sample_rows[-1] - first == count - 1 else sample_rows
+            logits = self.model.compute_logits(hidden[rows])
             tokens = self.sampler(logits, [seq.sampling for seq in sample_seqs])
             for seq, token in zip(sample_seqs, tokens):
                 if isinstance(token, SampleFailed):
