@@ -344,18 +344,37 @@ def time_engine(directory: Path, device: str, batch: int, prompt_len: int, max_n
 
 
 def profile_steps(llm, batch: int, prompt_len: int, device: str, steps: int = 16) -> str:
-    """torch.profiler over decode steps of a full batch: where a step's time goes."""
+    """Decode steps of a full batch: timed plainly, then under cProfile (the host's Python, by
+    function), then under torch.profiler (the device's kernels): where a step's time goes."""
+    import cProfile
+    import io
+    import pstats
+
     from torch.profiler import ProfilerActivity, profile
 
     from engine import SamplingParams
 
     core = llm.engine_core
-    params = SamplingParams(temperature=0.0, max_tokens=steps + 4, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=3 * steps + 4, ignore_eos=True)
     for index, prompt in enumerate(prompts_for([prompt_len] * batch, seed=10)):
         core.add_request(core.make_request(f"profile-{index}", prompt, params))
     budget = core.config.scheduler.max_num_batched_tokens
     for _ in range(-(-batch * prompt_len // budget) + 1):  # past the prompts
         core.step()
+    sync(device)
+    start = time.perf_counter()
+    for _ in range(steps):
+        core.step()
+    sync(device)
+    plain_ms = 1000 * (time.perf_counter() - start) / steps
+    host = cProfile.Profile()
+    host.enable()
+    for _ in range(steps):
+        core.step()
+    sync(device)
+    host.disable()
+    listing = io.StringIO()
+    pstats.Stats(host, stream=listing).sort_stats("tottime").print_stats(20)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
     sync(device)
     start = time.perf_counter()
@@ -368,7 +387,9 @@ def profile_steps(llm, batch: int, prompt_len: int, device: str, steps: int = 16
         core.step()
     key = "self_cuda_time_total" if device == "cuda" else "self_cpu_time_total"
     table = prof.key_averages().table(sort_by=key, row_limit=18, max_name_column_width=48)
-    return f"decode step at batch {batch}, profiled: {step_ms:.2f} ms per step\n{table}"
+    host_table = listing.getvalue().split("\n", 4)[-1].strip()  # from the column header on
+    return (f"decode step at batch {batch}: {plain_ms:.2f} ms per step unprofiled, {step_ms:.2f} under "
+            f"torch.profiler\n{table}\nthe host's Python over {steps} steps (cProfile, by own time):\n{host_table}")
 
 
 def time_hf(directory: Path, device: str, batch: int, prompt_len: int, max_new: int) -> dict:
@@ -408,6 +429,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", choices=["tokens", "speed"], default=None)
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--profile", action="store_true", help="torch.profiler over decode steps of the batch")
+    parser.add_argument("--shape", choices=sorted(SHAPES), default=None, help="only this model shape")
     args = parser.parse_args(argv)
     device = "cpu" if args.smoke else "cuda"
     if device == "cuda" and not torch.cuda.is_available():
@@ -416,6 +438,8 @@ def main(argv: list[str] | None = None) -> int:
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     shapes = SMOKE_SHAPES if args.smoke else SHAPES
+    if args.shape and not args.smoke:
+        shapes = {args.shape: SHAPES[args.shape]}
     report: dict = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
                     "torch": torch.__version__, "shapes": {}}
     try:
