@@ -30,12 +30,17 @@ from collections.abc import Callable
 
 import torch
 
-from engine.kv_cache.kv_cache import KVCache
+from engine.kv_cache.kv_cache import KVCache, padded_block_tables, slot_of
 from engine.models.llama import CausalLM
 from engine.scheduler_types import ScheduledSeq
 
 # batch sizes captured, as vLLM's default capture sizes: 1, 2, 4, then every 8
 BUCKETS = (1, 2, 4, *range(8, 513, 8))
+
+
+def wants_decode_graphs(device: torch.device, backend, enforce_eager: bool) -> bool:
+    """Decode graphs on CUDA with the Triton backend, unless --enforce-eager."""
+    return device.type == "cuda" and backend.uses_triton and not enforce_eager
 
 
 def bucket_for(num_seqs: int) -> int | None:
@@ -62,9 +67,9 @@ class DecodeGraphs:
         self.tokens = torch.zeros((3, self.max_batch), dtype=torch.int64, device=device)
         self.seq_lens = torch.ones(self.max_batch, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros((self.max_batch, self.width), dtype=torch.int32, device=device)
+        # (bucket, splits) -> (graph, its output), or (None, the forward) where it runs eagerly
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph | None, object]] = {}
         self.pool = torch.cuda.graph_pool_handle() if capture else None
-        self.num_captures = 0
         self.num_replays = 0
         self.num_padded_rows = 0  # padding rows replayed, over all steps
         self.num_capture_failures = 0  # keys that run eagerly because their capture failed
@@ -86,15 +91,14 @@ class DecodeGraphs:
             pos = seq.start_pos
             tokens[0][row] = seq.token_ids[0]
             tokens[1][row] = pos
-            tokens[2][row] = seq.block_ids[pos // size] * size + pos % size
+            tokens[2][row] = slot_of(seq.block_ids, pos, size)
             seq_lens[row] = pos + 1
             longest = max(longest, pos + 1)
-        columns = max(len(s.block_ids) for s in seqs)
-        table = torch.tensor([s.block_ids + [0] * (columns - len(s.block_ids)) for s in seqs], dtype=torch.int32)
+        table = padded_block_tables([s.block_ids for s in seqs], torch.int32)
         self.tokens[:, :bucket].copy_(torch.tensor(tokens, dtype=torch.int64), non_blocking=True)
         self.seq_lens[:bucket].copy_(torch.tensor(seq_lens, dtype=torch.int32), non_blocking=True)
         # padding rows keep what they held: any earlier block id (or 0) is a valid block to read
-        self.block_tables[:num, :columns].copy_(table, non_blocking=True)
+        self.block_tables[:num, :table.shape[1]].copy_(table, non_blocking=True)
         graph, out = self._graph(bucket, longest)
         if graph is None:
             hidden = out()  # the twin: the forward itself, over the same buffers
@@ -153,22 +157,20 @@ class DecodeGraphs:
         def forward() -> torch.Tensor:
             return self.model(input_ids, positions, self.kv_cache.layers, metadata)
 
-        self.num_captures += 1
         try:
-            graph, out = self._record(forward)
+            return self._record(forward)
         except Exception as exc:  # a failed capture costs this key its graph, not the worker
             self.num_capture_failures += 1
             print(f"[tandem] decode graph for batch {bucket} ({self._splits(bucket, longest)} splits) failed to "
                   f"capture ({type(exc).__name__}: {exc}); that size runs eagerly", file=sys.stderr, flush=True)
             return None, forward
-        return (graph, out) if graph is not None else (None, forward)
 
     def _record(self, forward: Callable[[], torch.Tensor]) -> tuple[torch.cuda.CUDAGraph | None, object]:
-        """(graph, its output); off CUDA (None, None) after running ``forward`` once, as a
+        """(graph, its output); off CUDA (None, forward) after running ``forward`` once, as a
         capture runs it eagerly first (capture_graph)."""
         if not self.capture:
             forward()
-            return None, None
+            return None, forward
         return capture_graph(forward, self.pool)
 
 

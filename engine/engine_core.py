@@ -16,7 +16,7 @@ import torch
 
 from engine.attention import make_attention_backend
 from engine.config import EngineConfig
-from engine.decode_graphs import DecodeGraphs
+from engine.decode_graphs import DecodeGraphs, wants_decode_graphs
 from engine.detokenizer import IncrementalDetokenizer
 from engine.kernels import prefill_attention
 from engine.kv_cache.block_hash import namespace_digest
@@ -129,7 +129,7 @@ class EngineCore:
         self.kv_cache = KVCache(model_cfg.arch, num_blocks, config.cache.block_size, model_cfg.dtype, device,
                                 triton=backend.uses_triton)
         graphs = None
-        if device.type == "cuda" and backend.uses_triton and not config.enforce_eager:
+        if wants_decode_graphs(device, backend, config.enforce_eager):
             graphs = DecodeGraphs(self.model, self.kv_cache, backend, config.scheduler.max_num_seqs,
                                   model_cfg.max_model_len)
         self.runner = ModelRunner(self.model, self.kv_cache, backend, graphs)
@@ -159,10 +159,10 @@ class EngineCore:
         """Run one throwaway request (a short prompt and two decode steps) so that every kernel
         of the common path is compiled before the first real request: on a GPU, Triton compiles
         each kernel on its first launch. The prompt stays under one block, so nothing enters the
-        prefix cache; counters start over afterwards. (Split-K decode, chosen only for long
-        contexts at small batches, compiles on its first use.) On a GPU it then captures the
-        decode graphs of every batch bucket and split count (engine/decode_graphs.py), which
-        compiles the split-K kernels too."""
+        prefix cache; counters start over afterwards. On a GPU it then captures the decode
+        graphs of every batch bucket and split count (engine/decode_graphs.py), which compiles
+        the split-K kernels too; with enforce_eager, split-K decode (chosen only for long
+        contexts at small batches) compiles on its first use."""
         prompt = [0] * max(1, min(self.config.cache.block_size // 2, self.config.model.max_model_len - 3))
         params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True, seed=0)
         self.add_request(self.make_request("tandem-warm-up", prompt, params))

@@ -9,7 +9,7 @@ import torch
 from engine import config
 from engine.attention.backend import AttentionBackend, BatchLayout
 from engine.decode_graphs import DecodeGraphs
-from engine.kv_cache.kv_cache import KVCache, slot_indices
+from engine.kv_cache.kv_cache import KVCache, slot_indices, slot_of
 from engine.models.llama import CausalLM
 from engine.sampler import Sampler, gather_logprobs
 from engine.scheduler_types import (
@@ -57,7 +57,7 @@ class ModelRunner:
         # not three small tensors per sequence); prompt chunks: tensors of their ranges
         decode_positions = [s.start_pos for s in seqs[:num_decodes]]
         positions = [torch.tensor(decode_positions, dtype=torch.int64)]
-        slot_mapping = [torch.tensor([s.block_ids[p // bs] * bs + p % bs for s, p in zip(seqs, decode_positions)],
+        slot_mapping = [torch.tensor([slot_of(s.block_ids, p, bs) for s, p in zip(seqs, decode_positions)],
                                      dtype=torch.int64)]
         input_ids = [s.token_ids[0] for s in seqs[:num_decodes]]
         for seq in seqs[num_decodes:]:

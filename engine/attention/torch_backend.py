@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention.backend import AttentionBackend, BatchLayout
-from engine.kv_cache.kv_cache import slot_indices
+from engine.kv_cache.kv_cache import padded_block_tables, slot_indices
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,10 +55,8 @@ class TorchAttentionBackend(AttentionBackend):
     def build_metadata(self, layout: BatchLayout) -> TorchAttentionMetadata:
         bs = layout.block_size
         n_dec = layout.num_decodes
-        max_blocks = max((len(t) for t in layout.block_tables[:n_dec]), default=0)
-        # one tensor from padded lists, not one small tensor per sequence
-        block_ids = torch.tensor([t + [0] * (max_blocks - len(t)) for t in layout.block_tables[:n_dec]],
-                                 dtype=torch.int64).reshape(n_dec, max_blocks)
+        block_ids = padded_block_tables(layout.block_tables[:n_dec], torch.int64)
+        max_blocks = block_ids.shape[1]
         seq_lens = torch.tensor(layout.seq_lens[:n_dec], dtype=torch.int64)
         # torch path only: which gathered slots are context ([n_dec, max_blocks * bs])
         gathered = max_blocks * bs if self.native is None else 0

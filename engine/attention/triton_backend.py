@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.attention.backend import AttentionBackend, BatchLayout
+from engine.kv_cache.kv_cache import padded_block_tables
 from engine.triton_ops.kv_write import (
     write_kv,  # imports triton: this module loads only when chosen
 )
@@ -30,11 +31,7 @@ class TritonAttentionMetadata:
 
 
 def _table(rows: list[list[int]], device: torch.device) -> torch.Tensor:
-    width = max((len(r) for r in rows), default=0)
-    table = torch.zeros((len(rows), max(width, 1)), dtype=torch.int32)
-    for i, row in enumerate(rows):
-        table[i, : len(row)] = torch.tensor(row, dtype=torch.int32)
-    return table.to(device)
+    return padded_block_tables(rows, torch.int32, min_width=1).to(device)
 
 
 class TritonAttentionBackend(AttentionBackend):

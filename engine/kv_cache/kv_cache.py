@@ -59,6 +59,18 @@ def gpu_kv_budget(total_bytes: int, free_bytes: int, utilization: float, headroo
     return budget
 
 
+def slot_of(block_table: list[int], position: int, block_size: int) -> int:
+    """The flat cache slot of one position (a decode's): plain ints, no tensor."""
+    return block_table[position // block_size] * block_size + position % block_size
+
+
+def padded_block_tables(tables: list[list[int]], dtype: torch.dtype, min_width: int = 0) -> torch.Tensor:
+    """[len(tables), width] block tables in one tensor, each row padded with block 0 (never
+    read: attention stops at each sequence's length); width = the longest, at least min_width."""
+    width = max(max((len(t) for t in tables), default=0), min_width)
+    return torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=dtype).reshape(len(tables), width)
+
+
 def slot_indices(block_table: list[int], start_pos: int, end_pos: int, block_size: int) -> torch.Tensor:
     """Flat cache slots of positions [start_pos, end_pos) through a block table.
 

@@ -127,13 +127,24 @@ def test_steps_that_do_not_fit_the_buffers_run_eagerly(tiny_llama_dir):
     assert not graphs.fits([seq([5], 3, range(17))])
 
 
-def test_enforce_eager_reaches_the_engine_config(tiny_llama_dir):
-    """The flag is vLLM's; on the CPU no graphs are made either way (the serve flag:
-    tests/cluster/test_serve_config.py)."""
+def test_graphs_are_made_on_cuda_with_triton_unless_enforce_eager(tiny_llama_dir):
+    """Where the engine makes decode graphs: CUDA and the Triton backend, and not enforce_eager
+    (vLLM's flag; the serve flag: tests/cluster/test_serve_config.py). On this CPU the engine
+    makes none, and the flag reaches its config."""
+    from engine.decode_graphs import wants_decode_graphs
+
+    class Backend:
+        def __init__(self, uses_triton):
+            self.uses_triton = uses_triton
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert wants_decode_graphs(cuda, Backend(True), enforce_eager=False)
+    assert not wants_decode_graphs(cuda, Backend(True), enforce_eager=True)
+    assert not wants_decode_graphs(cuda, Backend(False), enforce_eager=False)
+    assert not wants_decode_graphs(cpu, Backend(True), enforce_eager=False)
     llm = _engine(tiny_llama_dir, enforce_eager=True)
     assert llm.engine_core.config.enforce_eager is True
-    assert llm.engine_core.runner.decode_graphs is None
-    assert _engine(tiny_llama_dir).engine_core.runner.decode_graphs is None  # CPU: no CUDA graphs
+    assert _engine(tiny_llama_dir).engine_core.runner.decode_graphs is None
 
 
 def test_a_capture_that_fails_leaves_that_size_eager_and_the_tokens_right(tiny_llama_dir, prompts, monkeypatch,
