@@ -401,6 +401,13 @@ def table(result: CompareResult, reference: str) -> str:
 CONTENDERS = ("disagg", "colocated", "vllm", "transformers")
 
 
+def _positive(text: str) -> bool:
+    try:
+        return 0 < float(text) < float("inf")
+    except ValueError:
+        return False
+
+
 def colocated_variants(budgets: list[int], step_ms: list[str], lane_tokens: list[str] = (),
                        lane_wait_ms: list[str] = (), lane_policies: list[str] = ()) -> list[tuple[str, list[str], str]]:
     """(name suffix, flags, description) of each colocated contender: one per token cap (chunked
@@ -428,10 +435,13 @@ def colocated_variants(budgets: list[int], step_ms: list[str], lane_tokens: list
                          else f"prompts wait for the busy prefill lane at most {wait} ms"))
     from engine.config import LANE_POLICIES
 
-    for policy in lane_policies:
-        if policy not in LANE_POLICIES:
-            raise ValueError(f"--colocated-lane-policy takes {', '.join(LANE_POLICIES)}, got {policy!r}")
-        variants.append((f"-{policy}", ["--prefill-lane-policy", policy], f"prefill lane policy {policy}"))
+    for entry in lane_policies:
+        policy, _, pace = entry.partition(":")  # pace:MS sets --prefill-lane-pace-ms too
+        if policy not in LANE_POLICIES or (pace and (policy != "pace" or not _positive(pace))):
+            raise ValueError(f"--colocated-lane-policy takes {', '.join(LANE_POLICIES)} (or pace:MS), got {entry!r}")
+        flags = ["--prefill-lane-policy", policy] + (["--prefill-lane-pace-ms", pace] if pace else [])
+        variants.append((f"-{policy}{pace}", flags,
+                         f"prefill lane policy {policy}" + (f", streams' pace bound {pace} ms" if pace else "")))
     return variants or [("", [], "its defaults")]
 
 
@@ -514,8 +524,8 @@ def add_compare_args(compare, default_model: str) -> None:
                          help="comma-separated --prefill-lane-max-wait-ms values (or off): one colocated contender "
                               "each")
     compare.add_argument("--colocated-lane-policy", default="",
-                         help="comma-separated --prefill-lane-policy values (first, overflow): one colocated contender "
-                              "each")
+                         help="comma-separated --prefill-lane-policy values (first, overflow, pace, or pace:MS "
+                              "with its --prefill-lane-pace-ms): one colocated contender each")
     compare.add_argument("--no-transformers", action="store_true", help="skip transformers serve")
     compare.add_argument("--traffic-mix", default=None, metavar="CLASS:SHARE,...",
                          help="traffic classes instead of a sweep: a baseline run of --traffic-baseline's requests "

@@ -141,8 +141,9 @@ class ServeCluster:
             threads = default_worker_threads(choice.mode, nodes, config.decode_workers.min)
         say(f"mode: {choice.mode} ({choice.reason}); {threads} torch thread(s) per worker")
         if choice.mode is Mode.COLOCATED and threads >= 2 and config.prefill_lane_min_tokens is not None:
-            when = (" and finds other prefill work under way (policy overflow)"
-                    if config.prefill_lane_policy == "overflow" else "")
+            when = {"overflow": " and finds other prefill work under way (policy overflow)",
+                    "pace": f" while the streams get tokens more than {config.prefill_lane_pace_ms:g} ms apart "
+                            "(policy pace)"}.get(config.prefill_lane_policy, "")
             say(f"prefill lane: a prompt of {config.prefill_lane_min_tokens}+ tokens that arrives while streams "
                 f"decode{when} is read on 1 of the {threads} threads, the others decoding meanwhile")
         sizes = {Role.DECODE: config.decode_workers}
@@ -238,6 +239,7 @@ class ServeCluster:
                           max_num_batched_tokens=config.max_num_batched_tokens, max_step_ms=config.max_step_ms,
                           prefill_lane_min_tokens=lane, prefill_lane_max_wait_ms=config.prefill_lane_max_wait_ms,
                           prefill_lane_policy=config.prefill_lane_policy,
+                          prefill_lane_pace_ms=config.prefill_lane_pace_ms,
                           scheduling_policy=config.scheduling_policy,
                           num_threads=plan.worker_threads, chat_template=self.chat_template,
                           attention_backend=config.attention_backend, device=config.device,

@@ -22,6 +22,7 @@ from engine.models.registry import DEFAULT_MODEL
 from engine.prefill_lane import (
     DEFAULT_PREFILL_LANE_MAX_WAIT_MS,
     DEFAULT_PREFILL_LANE_MIN_TOKENS,
+    DEFAULT_PREFILL_LANE_PACE_MS,
     DEFAULT_PREFILL_LANE_POLICY,
 )
 from engine.step_budget import DEFAULT_MAX_STEP_MS
@@ -62,6 +63,13 @@ def _lane_wait_ms(value: str) -> float | None:
     if not 0 <= number < float("inf"):  # NaN fails too
         raise argparse.ArgumentTypeError(f"--prefill-lane-max-wait-ms must be a number of ms >= 0 or 'off', "
                                          f"got {value!r}")
+    return number
+
+
+def _pace_ms(value: str) -> float:
+    number = float(value)
+    if not 0 < number < float("inf"):
+        raise argparse.ArgumentTypeError(f"--prefill-lane-pace-ms must be a number of ms > 0, got {value!r}")
     return number
 
 
@@ -160,7 +168,14 @@ class ServeConfig:
              "decode (the streams keep their pace; a prompt's first token waits for the lane's one thread). "
              "overflow: a lone prompt is read in the steps on every thread, beside the streams, and the lane takes "
              "a prompt only while other prefill work is under way (the lane busy, another request waiting, a "
-             f"prompt being read in chunks); default {DEFAULT_PREFILL_LANE_POLICY}, measured: see README")
+             "prompt being read in chunks). pace: the steps read a prompt on every thread while the decoding streams "
+             "get their tokens at most --prefill-lane-pace-ms apart, and the lane takes it when they are slower; "
+             f"default {DEFAULT_PREFILL_LANE_POLICY}, measured: see README")
+    prefill_lane_pace_ms: float = flag(
+        DEFAULT_PREFILL_LANE_PACE_MS, _pace_ms,
+        "the pace policy's bound: the mean ms between the decoding streams' tokens over the last 2 s above which a "
+        f"prompt goes to the prefill lane (set it a little under your TPOT target; default "
+        f"{DEFAULT_PREFILL_LANE_PACE_MS:g})")
     max_queue: int = flag(256, int, "sequences (prompts x n) in flight before new requests get 429; tokenize "
                                     "calls count one")
     scheduling_policy: str = flag("fcfs", help="fcfs: arrival order everywhere; priority: requests run by their "

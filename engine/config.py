@@ -14,7 +14,7 @@ import torch
 from engine.request_queue import SchedulingPolicy
 
 # which prompts the prefill lane takes (engine/prefill_lane.py, `--prefill-lane-policy`)
-LANE_POLICIES = ("first", "overflow")
+LANE_POLICIES = ("first", "overflow", "pace")
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -158,9 +158,14 @@ class SchedulerConfig:
     # a prompt for the busy lane waits for it at most this long, then is read in the steps;
     # None: as long as it takes
     prefill_lane_max_wait_ms: float | None = None
-    # which prompts the lane takes (LANE_POLICIES): "first", every one
-    # long enough; "overflow", only those that find prefill work already under way
+    # which prompts the lane takes (LANE_POLICIES): "first", every one long enough;
+    # "overflow", only those that find prefill work already under way; "pace", only while
+    # the decoding streams are slower than prefill_lane_pace_ms
     prefill_lane_policy: str = "first"
+    # the "pace" policy: the lane takes a prompt only while the decoding streams get their
+    # tokens slower than this many ms apart (engine/step_budget.py StreamPace); faster, the
+    # steps read it on every thread
+    prefill_lane_pace_ms: float = 80.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.policy, SchedulingPolicy):
@@ -173,6 +178,8 @@ class SchedulerConfig:
             raise ValueError(f"prefill_lane_min_tokens must be >= 1 (or None), got {self.prefill_lane_min_tokens}")
         if self.prefill_lane_max_wait_ms is not None and not self.prefill_lane_max_wait_ms >= 0:
             raise ValueError(f"prefill_lane_max_wait_ms must be >= 0 (or None), got {self.prefill_lane_max_wait_ms}")
+        if not 0 < self.prefill_lane_pace_ms < float("inf"):
+            raise ValueError(f"prefill_lane_pace_ms must be > 0, got {self.prefill_lane_pace_ms}")
         if self.prefill_lane_policy not in LANE_POLICIES:
             raise ValueError(f"prefill_lane_policy must be one of {', '.join(LANE_POLICIES)}, "
                              f"got {self.prefill_lane_policy!r}")

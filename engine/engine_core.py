@@ -372,7 +372,8 @@ class EngineCore:
                 self.kv_exporter.close(seq.request_id, FinishReason.ERROR)
             raise
         self.scheduler.step_budget.observe(StepShape(
-            scheduled.num_decodes, scheduled.num_batched_tokens - scheduled.num_decodes, time.perf_counter() - started))
+            scheduled.num_decodes, scheduled.num_batched_tokens - scheduled.num_decodes, time.perf_counter() - started,
+            ended_at=time.monotonic()))
         updates = self.scheduler.update_from_output(scheduled, runner_output)
         failed_outputs += [self._fail(self.scheduler.requests[request_id], message)
                            for request_id, message in runner_output.failed.items()

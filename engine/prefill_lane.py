@@ -69,6 +69,9 @@ DEFAULT_PREFILL_LANE_MAX_WAIT_MS = 2000.0
 # run, where one rate's result swings more than that between runs (docs/benchmarks.md "Both
 # lane policies against vLLM on the AVX-512 EPYC of family 25, again"); the default stays.
 DEFAULT_PREFILL_LANE_POLICY = "first"
+# `--prefill-lane-pace-ms` default: under the "pace" policy, the streams' pace (ms between
+# their tokens, engine/step_budget.py StreamPace) above which a prompt goes to the lane.
+DEFAULT_PREFILL_LANE_PACE_MS = 80.0
 
 
 @dataclass(frozen=True, slots=True)

@@ -169,12 +169,21 @@ class Scheduler:
         if (self.lane is None or not self.running or request.status is not RequestStatus.WAITING
                 or request.output_token_ids or request.wants_prompt_logprobs or request.kv_export_from is not None):
             return None
-        if self.config.prefill_lane_policy == "overflow" and not self._prefill_pressure():
+        policy = self.config.prefill_lane_policy
+        if policy == "overflow" and not self._prefill_pressure():
+            return None
+        if policy == "pace" and not self._streams_behind():
             return None
         cached = self.kv.find_cached_prefix(request)
         if request.num_prompt_tokens - len(cached) * self.kv.block_size < self.config.prefill_lane_min_tokens:
             return None
         return cached
+
+    def _streams_behind(self) -> bool:
+        """The decoding streams get their tokens slower than ``prefill_lane_pace_ms`` apart now
+        (``StreamPace``): prompts read in the steps would slow them further."""
+        pace = self.step_budget.pace.ms(time.monotonic())
+        return pace is not None and pace > self.config.prefill_lane_pace_ms
 
     def _prefill_pressure(self) -> bool:
         """Prefill work beside the head of the queue: the lane holds a prompt, another request

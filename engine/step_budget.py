@@ -22,6 +22,7 @@ first step with prompt tokens has been timed, a step that decodes gives prompts
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 
 # `tandem serve --max-step-ms` default (the offline LLM has none): chosen by measured capacity
@@ -57,6 +58,7 @@ class StepShape:
     num_decodes: int  # sequences that fed one token (their last sampled one)
     num_prompt_tokens: int  # prompt (or recomputed) tokens fed by the other sequences
     elapsed_s: float  # the forward pass and sampling, wall clock
+    ended_at: float | None = None  # time.monotonic() when it ended (the streams' pace: StreamPace)
 
 
 class StepBudget:
@@ -70,6 +72,7 @@ class StepBudget:
         self.ms_per_prompt_token: float | None = None  # EWMA of the marginal cost of a prompt token
         self.chunk_counts = [0] * (len(CHUNK_TOKEN_BUCKETS) + 1)  # per bucket (last: above every bound)
         self.chunk_sum = 0  # prompt tokens over every step that computed some
+        self.pace = StreamPace()
 
     def prompt_tokens(self, num_decodes: int) -> int:
         """Prompt tokens the next step may compute, given that ``num_decodes`` sequences decode
@@ -84,6 +87,8 @@ class StepBudget:
         return max(self.config.min_chunk_tokens, min(cap, int(room_ms / self.ms_per_prompt_token)))
 
     def observe(self, shape: StepShape) -> None:
+        if shape.num_decodes and shape.ended_at is not None:
+            self.pace.observe(shape.ended_at)
         elapsed_ms = shape.elapsed_s * 1000
         if shape.num_prompt_tokens == 0:
             if shape.num_decodes:
@@ -103,3 +108,38 @@ class StepBudget:
                      len(CHUNK_TOKEN_BUCKETS))
         self.chunk_counts[index] += 1
         self.chunk_sum += num_tokens
+
+
+# how far back StreamPace looks: a few seconds of steps, less than one request's life (128
+# tokens at 40-100 ms), so that it follows the load as it changes
+PACE_WINDOW_S = 2.0
+
+
+class StreamPace:
+    """How often the decoding streams get a token now: the mean time between the ends of the
+    steps that decoded, over the last ``window_s`` of wall time. Everything the streams wait
+    for counts: prompt tokens read in their steps, a step slowed by the prefill lane's thread,
+    the host's time between steps. A step under way that has already taken longer than that
+    mean counts as one that ended now (a long prompt being read stalls the streams already)."""
+
+    def __init__(self, window_s: float = PACE_WINDOW_S) -> None:
+        self.window_s = window_s
+        self._ends: deque[float] = deque()
+
+    def observe(self, ended_at: float) -> None:
+        self._ends.append(ended_at)
+        self._forget(ended_at)
+
+    def ms(self, now: float) -> float | None:
+        """The mean ms between decoding steps, or None with fewer than two in the window."""
+        self._forget(now)
+        if len(self._ends) < 2:
+            return None
+        span, intervals = self._ends[-1] - self._ends[0], len(self._ends) - 1
+        if now - self._ends[-1] > span / intervals:
+            span, intervals = now - self._ends[0], intervals + 1
+        return 1000.0 * span / intervals
+
+    def _forget(self, now: float) -> None:
+        while self._ends and self._ends[0] < now - self.window_s:
+            self._ends.popleft()

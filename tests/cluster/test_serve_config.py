@@ -88,6 +88,13 @@ def test_the_prefill_lane_policy_flag_reaches_the_engine():
     cluster.info, cluster.chat_template = Info(), None
     cluster.plan = ServePlan(Mode.COLOCATED, 2, {}, {}, 1024, "", "")
     assert cluster.engine_args().prefill_lane_policy == "overflow"
+    cluster.config = config_of(["--prefill-lane-policy", "pace", "--prefill-lane-pace-ms", "65"])
+    args = cluster.engine_args()
+    assert (args.prefill_lane_policy, args.prefill_lane_pace_ms) == ("pace", 65.0)
+    assert config_of([], {"TANDEM_PREFILL_LANE_PACE_MS": "70"}).prefill_lane_pace_ms == 70.0
+    for bad in ("0", "-5", "nan", "fast"):
+        with pytest.raises(SystemExit):
+            config_of(["--prefill-lane-pace-ms", bad])
 
 
 def test_enforce_eager_reaches_the_engine():

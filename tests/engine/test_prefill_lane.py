@@ -69,6 +69,29 @@ def step_into(core, tokens: dict[str, list[int]]) -> None:
         tokens.setdefault(output.request_id, []).extend(output.new_token_ids)
 
 
+def drain(core, step) -> None:
+    """``step()`` until the engine has nothing left (within two minutes); every block is back."""
+    deadline = time.monotonic() + 120
+    while core.has_unfinished_requests():
+        assert time.monotonic() < deadline, "the engine did not finish its requests"
+        step()
+    core.check_integrity()
+    assert core.block_pool.num_free_blocks == core.block_pool.num_blocks
+
+
+def assert_plain_engines_tokens(model_dir, streams: SamplingParams, prompts: dict[str, list[int]],
+                                tokens: dict[str, list[int]]) -> None:
+    """The prompts' tokens are those of an engine without a lane, beside the same two streams."""
+    plain = build(model_dir, None, max_model_len=512)
+    try:
+        start_streams(plain, params=streams)
+        reference = run(plain, list(prompts.items()))
+    finally:
+        plain.close()
+    for name in prompts:
+        assert tokens[name] == reference[name], name
+
+
 def wrap_lane(core, before=None):
     """Count the prompts the lane computes and run ``before`` on its thread before each."""
     runner = core.lane.runner
@@ -437,25 +460,13 @@ def test_the_overflow_policy_reads_a_lone_prompt_in_the_steps_and_gives_the_lane
         assert done.acquire(timeout=60) and done.acquire(timeout=60)  # the lane finished both
         step()  # the overflow drained: the lane is empty, "alone" is read, and "fourth" waits alone
         assert core.lane.pending == [] and core.scheduler.requests["fourth"].num_computed_tokens > 0
-        deadline = time.monotonic() + 120
-        while core.has_unfinished_requests():
-            assert time.monotonic() < deadline, "the engine did not finish its requests"
-            step()
+        drain(core, step)
         assert [request_id for request_id, _, _ in seen] == ["second", "third"]
-        core.check_integrity()
-        assert core.block_pool.num_free_blocks == core.block_pool.num_blocks
     finally:
         release.set()
         core.close()
 
-    plain = build(tiny_llama_dir, None, max_model_len=512)
-    try:
-        start_streams(plain, params=streams)
-        reference = run(plain, list(prompts.items()))
-    finally:
-        plain.close()
-    for name in prompts:
-        assert tokens[name] == reference[name], name
+    assert_plain_engines_tokens(tiny_llama_dir, streams, prompts, tokens)
 
 
 def test_the_overflow_policy_sends_the_lane_the_head_when_two_prompts_wait(tiny_llama_dir):
@@ -478,6 +489,71 @@ def test_the_overflow_policy_sends_the_lane_the_head_when_two_prompts_wait(tiny_
         core.close()
     with pytest.raises(ValueError, match="prefill_lane_policy"):
         build(tiny_llama_dir, LANE_MIN, max_model_len=512, prefill_lane_policy="sometimes")
+
+
+class SetPace:
+    """The streams' pace as a test sets it (the engine's own StreamPace is measured in
+    tests/engine/test_step_budget.py and below)."""
+
+    def __init__(self, ms: float | None) -> None:
+        self.value = ms
+
+    def observe(self, ended_at: float) -> None:
+        pass
+
+    def ms(self, now: float) -> float | None:
+        return self.value
+
+
+def test_the_pace_policy_gives_the_lane_a_prompt_only_while_the_streams_are_slower_than_its_bound(tiny_llama_dir):
+    core = build(tiny_llama_dir, LANE_MIN, max_model_len=512, prefill_lane_policy="pace", prefill_lane_pace_ms=60.0)
+    release = threading.Event()
+    seen = wrap_lane(core, lambda: release.wait(60))
+    streams = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    prompts = {name: long_prompt(50 + index, 100) for index, name in enumerate(("slow", "fast", "unmeasured"))}
+    tokens: dict[str, list[int]] = {}
+    step = functools.partial(step_into, core, tokens)
+    pace = SetPace(75.0)
+    try:
+        tokens.update(start_streams(core, params=streams))
+        core.scheduler.step_budget.pace = pace
+        core.add_request(core.make_request("slow", prompts["slow"], GREEDY))
+        step()  # 75 ms apart, over the bound: the lane takes it
+        assert core.lane.pending == ["slow"]
+        pace.value = 45.0
+        core.add_request(core.make_request("fast", prompts["fast"], GREEDY))
+        step()  # 45 ms apart: the steps read it, though the lane is busy (it does not wait for the lane)
+        assert core.lane.pending == ["slow"] and core.scheduler.requests["fast"].num_computed_tokens > 0
+        pace.value = None
+        core.add_request(core.make_request("unmeasured", prompts["unmeasured"], GREEDY))
+        step()  # no pace measured yet: the steps
+        assert core.lane.pending == ["slow"] and core.scheduler.requests["unmeasured"].num_computed_tokens > 0
+        release.set()
+        drain(core, step)
+        assert [request_id for request_id, _, _ in seen] == ["slow"]
+    finally:
+        release.set()
+        core.close()
+
+    assert_plain_engines_tokens(tiny_llama_dir, streams, prompts, tokens)
+    with pytest.raises(ValueError, match="prefill_lane_pace_ms"):
+        build(tiny_llama_dir, LANE_MIN, max_model_len=512, prefill_lane_policy="pace", prefill_lane_pace_ms=0.0)
+
+
+def test_the_engine_measures_its_streams_pace_from_its_decoding_steps(tiny_llama_dir):
+    core = build(tiny_llama_dir, LANE_MIN, max_model_len=512, prefill_lane_policy="pace")
+    try:
+        start_streams(core, params=SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True))
+        began = time.monotonic()
+        for _ in range(10):
+            core.step()
+        mean_ms = (time.monotonic() - began) * 1000.0 / 10
+        measured = core.scheduler.step_budget.pace.ms(time.monotonic())
+        # the intervals between the ten steps' ends: within the wall time of the loop (no host work between)
+        assert measured is not None and 0 < measured <= mean_ms * 1.5
+        run(core, [])
+    finally:
+        core.close()
 
 
 def test_the_lane_widens_while_the_engine_has_nothing_to_step_and_narrows_before_the_next_step(lane_core, smollm_dir):

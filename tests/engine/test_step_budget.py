@@ -11,7 +11,7 @@ from engine.kv_cache.manager import KVCacheManager
 from engine.request import RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
-from engine.step_budget import CHUNK_TOKEN_BUCKETS, StepBudget, StepBudgetConfig, StepShape
+from engine.step_budget import CHUNK_TOKEN_BUCKETS, StepBudget, StepBudgetConfig, StepShape, StreamPace
 from tests.engine.test_scheduler import make_request, run_step
 from tests.reference import EqualityStats, assert_same_as_engine_reference
 
@@ -116,3 +116,33 @@ def test_time_bounded_chunks_keep_the_engines_tokens(smollm_dir):
     for i, out in enumerate(reference):
         assert_same_as_engine_reference(tokens[f"r{i}"], out.outputs[0], stats, f"r{i}")
     assert stats.compared == 4 and stats.near_ties <= 1, stats
+
+
+def test_the_streams_pace_is_the_mean_interval_between_decoding_steps_in_its_window():
+    pace = StreamPace(window_s=2.0)
+    assert pace.ms(100.0) is None  # nothing decoded yet
+    pace.observe(100.0)
+    assert pace.ms(100.01) is None  # one step has no interval
+    for index in range(1, 11):
+        pace.observe(100.0 + 0.05 * index)  # ten steps 50 ms apart
+    assert pace.ms(100.5) == pytest.approx(50.0)
+    assert pace.ms(100.52) == pytest.approx(50.0)  # the step under way has taken 20 ms: not late yet
+    # a step under way for 450 ms (a prompt in it) counts as if it ended now: the streams wait already
+    assert pace.ms(100.95) == pytest.approx(950.0 / 11)
+    pace.observe(101.0)  # it ended
+    assert pace.ms(101.0) == pytest.approx(1000.0 / 11)
+    # 2 s on, what came before the window is forgotten
+    pace.observe(103.0)
+    pace.observe(103.02)
+    assert pace.ms(103.02) == pytest.approx(20.0)
+    assert pace.ms(106.0) is None  # the streams are gone: no pace
+
+
+def test_the_step_budget_learns_the_pace_from_decoding_steps_only():
+    budget = StepBudget(StepBudgetConfig(max_num_batched_tokens=512, max_step_ms=100.0))
+    for index in range(5):
+        budget.observe(StepShape(num_decodes=4, num_prompt_tokens=0, elapsed_s=0.03, ended_at=10.0 + 0.03 * index))
+    budget.observe(StepShape(num_decodes=0, num_prompt_tokens=300, elapsed_s=0.3, ended_at=10.5))  # no stream waited
+    assert budget.pace.ms(10.12) == pytest.approx(30.0)
+    budget.observe(StepShape(num_decodes=4, num_prompt_tokens=200, elapsed_s=0.25, ended_at=10.37))
+    assert budget.pace.ms(10.37) == pytest.approx(370.0 / 5)
