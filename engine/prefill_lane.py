@@ -12,8 +12,9 @@ without the KV copy: the lane writes the prompt's KV straight into the blocks th
 reserved for it.
 
 The engine thread hands over prompts (``Scheduler.take_for_lane``: the head of the queue,
-long enough, while streams decode, and under the ``overflow`` policy only while other prefill
-work is under way; one computing and one queued behind it), lends the lane
+long enough, while streams decode; under the ``overflow`` policy only while other prefill
+work is under way, under ``pace`` only while the streams are slower than its bound; one
+computing and one queued behind it), lends the lane
 one of its threads for as long as it holds any (all of them, from the lane's next layer on,
 while the engine thread has nothing to step: ``widen``, ``narrow``), and takes the results
 back between two steps;
@@ -61,16 +62,19 @@ DEFAULT_PREFILL_LANE_MAX_WAIT_MS = 2000.0
 # `--prefill-lane-policy` default: which prompts the lane takes. "first": every prompt long
 # enough that reaches the head of the queue while streams decode; the streams keep their pace
 # and a prompt's TTFT is mostly the lane's one thread (a 1k-token prompt in 1.7 s on the
-# family-25 EPYC, where vLLM's TTFT p90 at its capacity was 1.6 s). "overflow": the steps read
-# a lone prompt on every thread, chunked beside the streams, and the lane takes a prompt only
-# when prefill work is already under way (the lane busy, another request waiting, a chunked
-# prompt running): lower TTFT, higher TPOT and ITL tails, capacity higher in four of the
-# seven searches so far, the same in two and lower in one, each by one search step and each one
-# run, where one rate's result swings more than that between runs (docs/benchmarks.md "Both
-# lane policies against vLLM on the AVX-512 EPYC of family 25, again"); the default stays.
-DEFAULT_PREFILL_LANE_POLICY = "first"
+# family-25 EPYC). "overflow": the steps read a lone prompt on every thread, and the lane takes
+# one only when prefill work is already under way. "pace" (the default): the steps read a
+# prompt on every thread while the decoding streams get their tokens at most
+# DEFAULT_PREFILL_LANE_PACE_MS apart, and the lane takes it when they are slower. On the
+# family-25 EPYC (docs/benchmarks.md "Prompts on every thread while the streams keep pace"),
+# at vLLM's capacity rate on random 250/128 its TTFT p90 was 1.53x vLLM's against first's
+# 2.1-2.5x, at the same TPOT p90; capacity on long-prompt 0.84 req/s (first 0.771, vLLM
+# 0.545), on random 2.53 (first 3.01 in an earlier run, vLLM 2.32-2.53).
+DEFAULT_PREFILL_LANE_POLICY = "pace"
 # `--prefill-lane-pace-ms` default: under the "pace" policy, the streams' pace (ms between
-# their tokens, engine/step_budget.py StreamPace) above which a prompt goes to the lane.
+# their tokens, engine/step_budget.py StreamPace) above which a prompt goes to the lane. A
+# little under the 100 ms TPOT SLO of the capacity searches; 70 sent more prompts to the lane
+# for a lower TPOT p90 and a higher TTFT p90 (75 / 689 ms against 83 / 660 at 2.32 req/s).
 DEFAULT_PREFILL_LANE_PACE_MS = 80.0
 
 

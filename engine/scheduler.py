@@ -160,24 +160,42 @@ class Scheduler:
         return bound is not None and (time.monotonic() - request.arrival_time) * 1000.0 >= bound
 
     def _lane_hit(self, request: Request) -> list[int] | None:
-        """Its prefix-cache hit if ``request`` is one for the lane, else None: this engine has
-        a lane, streams are decoding (with none, a step of its own on every thread is faster),
-        and it is a fresh prompt (not preempted or resumed, no prompt logprobs, nothing to
-        export) with at least ``prefill_lane_min_tokens`` left to compute. Under the
-        ``overflow`` policy it must also find prefill work under way (``_prefill_pressure``):
-        a lone prompt is read faster in the steps, on every thread."""
-        if (self.lane is None or not self.running or request.status is not RequestStatus.WAITING
-                or request.output_token_ids or request.wants_prompt_logprobs or request.kv_export_from is not None):
-            return None
+        """Its prefix-cache hit if ``request`` is one for the lane now, else None: it could go
+        there (``_lane_fit``), and the policy sends it. Under ``overflow`` it must find prefill
+        work under way (``_prefill_pressure``): a lone prompt is read faster in the steps, on
+        every thread. Under ``pace`` the streams must be slower than the bound
+        (``_streams_behind``)."""
         policy = self.config.prefill_lane_policy
-        if policy == "overflow" and not self._prefill_pressure():
+        if policy == "overflow" and (self.lane is None or not self._prefill_pressure()):
             return None
         if policy == "pace" and not self._streams_behind():
+            return None
+        return self._lane_fit(request)
+
+    def _lane_fit(self, request: Request) -> list[int] | None:
+        """Its prefix-cache hit if the lane could read ``request``, else None: this engine has a
+        lane, streams are decoding (with none, a step of its own on every thread is faster), and
+        it is a fresh prompt (not preempted or resumed, no prompt logprobs, nothing to export)
+        with at least ``prefill_lane_min_tokens`` left to compute."""
+        if (self.lane is None or not self.running or request.status is not RequestStatus.WAITING
+                or request.output_token_ids or request.wants_prompt_logprobs or request.kv_export_from is not None):
             return None
         cached = self.kv.find_cached_prefix(request)
         if request.num_prompt_tokens - len(cached) * self.kv.block_size < self.config.prefill_lane_min_tokens:
             return None
         return cached
+
+    def _waits_for_lane(self, request: Request) -> bool:
+        """``request`` waits at the head of the queue until the busy lane is done (at most
+        ``prefill_lane_max_wait_ms``) instead of being read in the steps: it is one for the lane,
+        or, under ``pace``, one the lane could read, which the steps would read on the threads
+        the lane leaves them (slowly, stalling the streams meanwhile; once the lane is done, the
+        pace decides again)."""
+        if self.lane is None or not self.lane.busy or self._waited_for_lane(request):
+            return False
+        if self.config.prefill_lane_policy == "pace":
+            return self._lane_fit(request) is not None
+        return self._lane_hit(request) is not None
 
     def _streams_behind(self) -> bool:
         """The decoding streams get their tokens slower than ``prefill_lane_pace_ms`` apart now
@@ -243,9 +261,8 @@ class Scheduler:
             request = self.waiting.peek()
             if before is not None and priority_key(request) >= priority_key(before):
                 return
-            if (self.lane is not None and self.lane.busy and not self._waited_for_lane(request)
-                    and self._lane_hit(request) is not None):
-                return  # it waits for the lane
+            if self._waits_for_lane(request):
+                return
             cached = self.kv.find_cached_prefix(request) if request.num_computed_tokens == 0 else []
             num_cached = len(cached) * self.kv.block_size
             num_new = min(request.num_tokens - num_cached, step.budget, step.prompt_room)

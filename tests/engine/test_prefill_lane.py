@@ -522,13 +522,18 @@ def test_the_pace_policy_gives_the_lane_a_prompt_only_while_the_streams_are_slow
         assert core.lane.pending == ["slow"]
         pace.value = 45.0
         core.add_request(core.make_request("fast", prompts["fast"], GREEDY))
-        step()  # 45 ms apart: the steps read it, though the lane is busy (it does not wait for the lane)
-        assert core.lane.pending == ["slow"] and core.scheduler.requests["fast"].num_computed_tokens > 0
+        step()  # 45 ms apart, but the lane is busy: the steps have one thread; it waits for the lane to be done
+        assert core.lane.pending == ["slow"] and core.scheduler.requests["fast"].num_computed_tokens == 0
+        done = threading.Semaphore(0)
+        core.lane.on_done = done.release
+        release.set()
+        assert done.acquire(timeout=60)
+        step()  # the lane is done and the streams are fast: the steps read it, on every thread
+        assert core.lane.pending == [] and core.scheduler.requests["fast"].num_computed_tokens > 0
         pace.value = None
         core.add_request(core.make_request("unmeasured", prompts["unmeasured"], GREEDY))
         step()  # no pace measured yet: the steps
-        assert core.lane.pending == ["slow"] and core.scheduler.requests["unmeasured"].num_computed_tokens > 0
-        release.set()
+        assert core.lane.pending == [] and core.scheduler.requests["unmeasured"].num_computed_tokens > 0
         drain(core, step)
         assert [request_id for request_id, _, _ in seen] == ["slow"]
     finally:

@@ -558,3 +558,21 @@ def test_under_the_overflow_policy_a_lone_long_prompt_is_read_in_the_steps(smoll
         assert server.metric("num_lane_prompt_tokens", "decode") == lane_tokens
     finally:
         server.stop()
+
+
+def test_under_the_pace_policy_the_lane_takes_a_prompt_when_the_streams_are_slower_than_the_bound(smollm_dir, llm):
+    """`--prefill-lane-policy pace` and its bound reach the live worker, and the worker measures
+    its streams' pace: with a bound of 0.5 ms, which any decode step exceeds, the long prompt
+    that arrives while two streams decode goes to the lane (with no pace measured, it would be
+    read in the steps), with the same answers as LLM.generate. The engine-level tests cover the
+    bound's other side."""
+    server = start_server(smollm_dir, "colocated", "--worker-threads", "2", "--prefill-lane-min-tokens", "128",
+                          "--prefill-lane-policy", "pace", "--prefill-lane-pace-ms", "0.5")
+    try:
+        assert any("more than 0.5 ms apart (policy pace)" in line for line in server.log), server.log[-5:]
+        lane_prompts, lane_tokens, num_long = long_prompt_mid_stream(server, llm)
+        wait_until(lambda: server.metric("num_lane_prompts", "decode") > lane_prompts, what="the lane in Stats")
+        assert server.metric("num_lane_prompts", "decode") == lane_prompts + 1
+        assert server.metric("num_lane_prompt_tokens", "decode") == lane_tokens + num_long
+    finally:
+        server.stop()
