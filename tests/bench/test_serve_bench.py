@@ -359,7 +359,8 @@ def test_contenders_are_chosen_by_name_and_vllm_runs_as_a_module(tmp_path):
                                   colocated_lane_policies=["first", "overflow"])
     assert [c.name for c in policies] == ["colocated-first", "colocated-overflow"]
     assert [c.command[-2:] for c in policies] == [["--prefill-lane-policy", p] for p in ("first", "overflow")]
-    paces = default_contenders("m", "/weights", "float32", [], ["colocated"], colocated_lane_policies=["pace", "pace:60"])
+    paces = default_contenders("m", "/weights", "float32", [], ["colocated"],
+                               colocated_lane_policies=["pace", "pace:60"])
     assert [c.name for c in paces] == ["colocated-pace", "colocated-pace60"]
     assert paces[0].command[-2:] == ["--prefill-lane-policy", "pace"]
     assert paces[1].command[-4:] == ["--prefill-lane-policy", "pace", "--prefill-lane-pace-ms", "60"]
