@@ -321,6 +321,13 @@ class EngineCore:
         table = self.scheduler.waiting_for_remote_kv
         return sum(1 for request_id in list(self.lane.pending) if request_id in table)
 
+    def stream_pace_ms(self) -> float:
+        """The decoding streams' pace now (StreamPace: the mean ms between the ends of the steps
+        that decoded, over the last 2 s), or 0.0 when fewer than two steps decoded in that
+        window. The ``pace`` lane policy compares it with its bound. Safe to read from another
+        thread (Stats)."""
+        return self.scheduler.step_budget.pace.ms(time.monotonic()) or 0.0
+
     def num_waiting_for_remote_kv(self) -> int:
         """Requests whose prompt's KV is on its way from a prefill worker (not the lane's)."""
         return max(0, len(self.scheduler.waiting_for_remote_kv) - self.num_in_lane())

@@ -131,13 +131,14 @@ class StreamPace:
         self._forget(ended_at)
 
     def ms(self, now: float) -> float | None:
-        """The mean ms between decoding steps, or None with fewer than two in the window."""
-        self._forget(now)
-        if len(self._ends) < 2:
+        """The mean ms between decoding steps, or None with fewer than two in the window. It
+        changes nothing, so another thread (a Stats call) may read it while the engine steps."""
+        ends = [end for end in list(self._ends) if end >= now - self.window_s]
+        if len(ends) < 2:
             return None
-        span, intervals = self._ends[-1] - self._ends[0], len(self._ends) - 1
-        if now - self._ends[-1] > span / intervals:
-            span, intervals = now - self._ends[0], intervals + 1
+        span, intervals = ends[-1] - ends[0], len(ends) - 1
+        if now - ends[-1] > span / intervals:
+            span, intervals = now - ends[0], intervals + 1
         return 1000.0 * span / intervals
 
     def _forget(self, now: float) -> None:

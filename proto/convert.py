@@ -68,5 +68,5 @@ def worker_stats(core: EngineCore, role: str, address: str, kv_bytes_sent: int =
         prefill_chunk_bounds=CHUNK_TOKEN_BUCKETS, prefill_chunk_counts=list(scheduler.step_budget.chunk_counts),
         prefill_chunk_tokens_sum=scheduler.step_budget.chunk_sum, max_num_seqs=scheduler.config.max_num_seqs,
         num_lane_prompts=counters.num_lane_prompts, num_lane_prompt_tokens=counters.num_lane_prompt_tokens,
-        lane_busy_ms=round(counters.lane_busy_s * 1000),
+        lane_busy_ms=round(counters.lane_busy_s * 1000), stream_pace_ms=core.stream_pace_ms(),
     )

@@ -556,7 +556,11 @@ def test_the_engine_measures_its_streams_pace_from_its_decoding_steps(tiny_llama
         measured = core.scheduler.step_budget.pace.ms(time.monotonic())
         # the intervals between the ten steps' ends: within the wall time of the loop (no host work between)
         assert measured is not None and 0 < measured <= mean_ms * 1.5
+        # Stats reports the same pace (tandem:worker_stream_pace_ms), and 0 once the streams are gone
+        assert worker_stats(core, "decode", "here").stream_pace_ms == pytest.approx(measured, rel=0.05)
         run(core, [])
+        time.sleep(core.scheduler.step_budget.pace.window_s + 0.05)
+        assert worker_stats(core, "decode", "here").stream_pace_ms == 0.0
     finally:
         core.close()
 

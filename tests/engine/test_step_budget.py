@@ -136,6 +136,7 @@ def test_the_streams_pace_is_the_mean_interval_between_decoding_steps_in_its_win
     pace.observe(103.02)
     assert pace.ms(103.02) == pytest.approx(20.0)
     assert pace.ms(106.0) is None  # the streams are gone: no pace
+    assert pace.ms(103.03) == pytest.approx(20.0)  # reading forgets nothing (Stats reads it from another thread)
 
 
 def test_the_step_budget_learns_the_pace_from_decoding_steps_only():

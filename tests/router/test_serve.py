@@ -405,10 +405,11 @@ def test_auto_mode_on_one_node_is_colocated_and_says_why(colocated_server):
     assert any("serving smollm2-135m-instruct (colocated)" in line for line in colocated_server.log)
 
 
-def long_prompt_mid_stream(server, llm) -> tuple[int, int, int]:
+def long_prompt_mid_stream(server, llm, while_streaming=None) -> tuple[int, int, int]:
     """Two streams decode on ``server``'s colocated worker and a prompt of 256+ tokens arrives
-    mid-stream; every answer must equal LLM.generate's (near-tie rule). Returns the worker's
-    lane prompts and lane prompt tokens from before, and the long prompt's token count."""
+    mid-stream; every answer must equal LLM.generate's (near-tie rule). ``while_streaming`` is
+    called once both streams have their first tokens, before the long prompt is sent. Returns the
+    worker's lane prompts and lane prompt tokens from before, and the long prompt's token count."""
     tokenizer = llm.get_tokenizer()
     long_prompt = "[lane] " + " ".join(f"Chapter {i}: the tide came in over the grey stones." for i in range(30))
     num_long = len(tokenizer.encode(long_prompt))
@@ -438,6 +439,8 @@ def long_prompt_mid_stream(server, llm) -> tuple[int, int, int]:
     for thread in threads:
         thread.start()
     assert all(event.wait(60) for event in started), "the streams did not start"
+    if while_streaming is not None:
+        while_streaming()
     answer = client(server).completions.create(model="smollm2-135m-instruct", prompt=long_prompt, max_tokens=16,
                                                temperature=0, logprobs=2)
     for thread in threads:
@@ -570,9 +573,16 @@ def test_under_the_pace_policy_the_lane_takes_a_prompt_when_the_streams_are_slow
                           "--prefill-lane-policy", "pace", "--prefill-lane-pace-ms", "0.5")
     try:
         assert any("more than 0.5 ms apart (policy pace)" in line for line in server.log), server.log[-5:]
-        lane_prompts, lane_tokens, num_long = long_prompt_mid_stream(server, llm)
+        pace = lambda: server.metric("stream_pace_ms", "decode")  # noqa: E731
+        assert pace() == 0.0  # nothing decodes yet
+        paces: list[float] = []
+        # while the two streams decode, /metrics reports their pace (a step of two real decodes takes ms)
+        lane_prompts, lane_tokens, num_long = long_prompt_mid_stream(
+            server, llm, while_streaming=lambda: paces.append(wait_until(pace, timeout_s=10, what="a pace")))
+        assert 0.5 < paces[0] < 10000.0, paces
         wait_until(lambda: server.metric("num_lane_prompts", "decode") > lane_prompts, what="the lane in Stats")
         assert server.metric("num_lane_prompts", "decode") == lane_prompts + 1
         assert server.metric("num_lane_prompt_tokens", "decode") == lane_tokens + num_long
+        wait_until(lambda: pace() == 0.0, timeout_s=10, what="no pace once the streams are done")
     finally:
         server.stop()
