@@ -125,11 +125,12 @@ def stage_means_ms(before, after) -> dict[str, float] | None:
 
 
 LANE_FIELDS = ("num_lane_prompts", "num_lane_prompt_tokens", "lane_busy_ms")
+STEP_FIELDS = ("num_decode_steps", "decode_steps_ms", "decode_steps_seqs", "num_prompt_steps", "prompt_steps_ms")
 
 
-def lane_totals(base_url: str) -> dict[str, float] | None:
-    """The decode workers' prefill-lane counters (engine/prefill_lane.py) from tandem's
-    /metrics, summed; None for a server without them."""
+def worker_totals(base_url: str) -> dict[str, float] | None:
+    """The decode workers' prefill-lane counters (engine/prefill_lane.py) and engine-step
+    counters from tandem's /metrics, summed; None for a server without them."""
     import httpx
 
     try:
@@ -137,12 +138,12 @@ def lane_totals(base_url: str) -> dict[str, float] | None:
     except (httpx.HTTPError, ValueError):
         return None
     totals = {name: sum(s.value for s in samples if s.name == f"tandem:worker_{name}" and s.labels.get("role") == "decode")
-              for name in LANE_FIELDS}
+              for name in LANE_FIELDS + STEP_FIELDS}
     return totals if any(s.name == "tandem:worker_lane_busy_ms" for s in samples) else None
 
 
 def lane_profile(before, after, duration_s: float) -> dict[str, float] | None:
-    """What the prefill lane did between two ``lane_totals`` of a run: the prompts it took,
+    """What the prefill lane did between two ``worker_totals`` of a run: the prompts it took,
     their tokens, its ms per prompt, and the share of the run it was computing."""
     if not before or not after or duration_s <= 0:
         return None
@@ -151,6 +152,20 @@ def lane_profile(before, after, duration_s: float) -> dict[str, float] | None:
     return {"prompts": prompts, "tokens": delta["num_lane_prompt_tokens"],
             "ms_per_prompt": delta["lane_busy_ms"] / prompts if prompts else 0.0,
             "busy_share": delta["lane_busy_ms"] / 1000 / duration_s}
+
+
+def step_profile(before, after) -> dict[str, float] | None:
+    """The decode workers' steps between two ``worker_totals`` of a run: how many only decoded,
+    their mean time and batch, and how many read prompt tokens too, with their mean time.
+    Beside `tandem bench engine`'s offline steps they show what serving adds to a step."""
+    if not before or not after:
+        return None
+    delta = {name: after[name] - before[name] for name in STEP_FIELDS}
+    decodes, prompts = delta["num_decode_steps"], delta["num_prompt_steps"]
+    return {"decode_steps": decodes, "prompt_steps": prompts,
+            "decode_ms": delta["decode_steps_ms"] / decodes if decodes else 0.0,
+            "decode_batch": delta["decode_steps_seqs"] / decodes if decodes else 0.0,
+            "prompt_ms": delta["prompt_steps_ms"] / prompts if prompts else 0.0}
 
 
 def unloaded_decode_step_ms(base_url: str, model: str, requests: list[BenchRequest]) -> float:
@@ -295,11 +310,13 @@ def compare(contenders: list[Contender], workloads: list[list[BenchRequest]], ra
 
             def measure(rate: float, requests: list[BenchRequest]) -> dict:
                 config = LoadConfig(base_url, contender.model, rate, seed=seed, ignore_eos=ignore_eos)
-                stages_before, lane_before = stage_totals(base_url), lane_totals(base_url)
+                stages_before, workers_before = stage_totals(base_url), worker_totals(base_url)
                 results, duration = asyncio.run(run_load(config, requests, progress=f"{contender.name} @ {rate:.3g}/s"))
                 summary = summarize(results, duration, slo_ttft_ms, slo_tpot_ms)
                 summary["stages_ms"] = stage_means_ms(stages_before, stage_totals(base_url))
-                summary["lane"] = lane_profile(lane_before, lane_totals(base_url), duration)
+                workers_after = worker_totals(base_url)
+                summary["lane"] = lane_profile(workers_before, workers_after, duration)
+                summary["steps"] = step_profile(workers_before, workers_after)
                 runs[contender.name][rate] = summary
                 say(_line(contender.name, rate, summary))
                 return summary
@@ -363,6 +380,11 @@ def _line(name: str, rate: float, s: dict) -> str:
     if lane and lane["prompts"]:  # a server with a lane that took prompts (not disagg's decode workers)
         where += (f"\n{' ' * 16}prefill lane: {lane['prompts']:.0f} of {s['num_requests']} prompts, "
                   f"{lane['ms_per_prompt']:.0f} ms each, computing {lane['busy_share']:.0%} of the run")
+    steps = s.get("steps")
+    if steps and steps["decode_steps"]:
+        where += (f"\n{' ' * 16}engine steps: {steps['decode_steps']:.0f} decode-only, "
+                  f"{steps['decode_ms']:.1f} ms each at a mean batch of {steps['decode_batch']:.1f}; {steps['prompt_steps']:.0f} with prompt tokens, "
+                  f"{steps['prompt_ms']:.1f} ms each")
     return (f"{name:>14} @ {rate:g} req/s: goodput {s['goodput']:.3f} req/s, p99 ITL {_ms(s['itl_ms']['p99'])}, "
             f"p90 TTFT {_ms(s['ttft_ms']['p90'])}, {s['output_token_throughput']:.1f} tok/s, "
             f"{s['completed']}/{s['num_requests']} ok{where}")

@@ -91,7 +91,8 @@ class ClusterCollector:
                "num_prompt_tokens_computed", "num_generation_tokens", "kv_bytes_received", "kv_bytes_sent",
                "num_kv_recomputed", "num_kv_failed", "num_held_transfers", "max_num_running", "max_num_seqs",
                "num_lane_prompts", "num_lane_prompt_tokens", "lane_busy_ms", "num_in_lane",
-               "stream_pace_ms")
+               "stream_pace_ms", "num_decode_steps", "decode_steps_ms", "decode_steps_seqs", "num_prompt_steps",
+               "prompt_steps_ms")
 
     def __init__(self, pool, model_name: str) -> None:
         self._pool = pool

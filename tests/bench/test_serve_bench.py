@@ -247,6 +247,19 @@ def test_stage_means_come_from_the_metrics_delta():
     assert stage_means_ms(before, None) is None
 
 
+def test_the_step_profile_of_a_run_is_the_difference_of_its_counters():
+    from bench.compare import step_profile
+
+    before = {"num_decode_steps": 10, "decode_steps_ms": 400.0, "decode_steps_seqs": 80, "num_prompt_steps": 2,
+              "prompt_steps_ms": 300.0}
+    after = {"num_decode_steps": 30, "decode_steps_ms": 1400.0, "decode_steps_seqs": 480, "num_prompt_steps": 6,
+             "prompt_steps_ms": 900.0}
+    assert step_profile(before, after) == pytest.approx(
+        {"decode_steps": 20, "prompt_steps": 4, "decode_ms": 50.0, "decode_batch": 20.0, "prompt_ms": 150.0})
+    assert step_profile(after, after)["decode_ms"] == 0.0  # no step in between
+    assert step_profile(None, after) is None
+
+
 def test_the_lane_profile_of_a_run_is_the_difference_of_its_counters():
     from bench.compare import lane_profile
 

@@ -565,6 +565,39 @@ def test_the_engine_measures_its_streams_pace_from_its_decoding_steps(tiny_llama
         core.close()
 
 
+def test_the_engine_counts_its_steps_and_their_time_apart_for_decode_only_and_prompt_steps(tiny_llama_dir):
+    """Stats' step counters (what `tandem bench compare` prints beside `bench engine`'s
+    offline steps) against a record of every forward the runner executed."""
+    core = build(tiny_llama_dir, None, max_model_len=512, max_num_batched_tokens=64)
+    record: list[tuple[int, int, float]] = []  # (decodes, prompt tokens, seconds) per executed step
+    execute = core.runner.execute
+
+    def timed(scheduled):
+        began = time.perf_counter()
+        try:
+            return execute(scheduled)
+        finally:
+            record.append((scheduled.num_decodes, scheduled.num_batched_tokens - scheduled.num_decodes,
+                           time.perf_counter() - began))
+
+    core.runner.execute = timed
+    try:
+        start_streams(core, params=SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+        run(core, [("long", long_prompt(31, 150))])  # read in 64-token chunks beside the streams
+    finally:
+        core.close()
+    decode_only = [r for r in record if r[1] == 0]
+    with_prompt = [r for r in record if r[1] > 0]
+    assert decode_only and len(with_prompt) >= 3  # the streams' prompts, then the long one's chunks
+    stats = worker_stats(core, "decode", "here")
+    assert (stats.num_decode_steps, stats.num_prompt_steps) == (len(decode_only), len(with_prompt))
+    assert stats.decode_steps_seqs == sum(r[0] for r in decode_only)
+    # the engine times the runner's execute (forward and sampling), which the wrapper timed inside it
+    for counted_ms, steps in ((stats.decode_steps_ms, decode_only), (stats.prompt_steps_ms, with_prompt)):
+        executed_ms = sum(r[2] for r in steps) * 1000
+        assert executed_ms <= counted_ms <= executed_ms + 1.0 * len(steps)
+
+
 def test_the_lane_widens_while_the_engine_has_nothing_to_step_and_narrows_before_the_next_step(lane_core, smollm_dir):
     fit = lane_core.lane.runner.after_layer
     layers: list[tuple[int, int]] = []  # (layer, the torch threads the lane set for the layer after it)

@@ -474,10 +474,13 @@ def test_a_long_prompt_arriving_mid_stream_goes_through_the_prefill_lane(lane_fi
     wait_until(lambda: server.metric("num_lane_prompts", "decode") > lane_prompts, what="the lane in Stats")
     assert server.metric("num_lane_prompts", "decode") == lane_prompts + 1  # the long prompt alone
     assert server.metric("num_lane_prompt_tokens", "decode") == lane_tokens + num_long
-    from bench.compare import lane_totals
+    from bench.compare import worker_totals
 
-    totals = lane_totals(f"{server.base_url}/v1")  # what `tandem bench compare` reads of it
+    totals = worker_totals(f"{server.base_url}/v1")  # what `tandem bench compare` reads of it
     assert totals["num_lane_prompts"] == lane_prompts + 1 and 0 < totals["lane_busy_ms"] < 60_000
+    # the streams' 160 tokens each came from decode steps (some of them read prompt tokens too)
+    assert totals["num_decode_steps"] + totals["num_prompt_steps"] >= 159
+    assert totals["decode_steps_seqs"] >= totals["num_decode_steps"] > 0 and totals["decode_steps_ms"] > 0
 
 
 def test_a_prompt_whose_client_leaves_while_it_waits_for_the_lane_is_dropped(lane_first_server, llm):
