@@ -468,19 +468,26 @@ def test_a_long_prompt_arriving_mid_stream_goes_through_the_prefill_lane(lane_fi
     """Lane policy first: a prompt of 128+ tokens that arrives while two streams decode is read
     on the prefill lane (its Stats count it, token for token), and every answer equals
     LLM.generate's: the lane's KV went into the prompt's own blocks only."""
+    from bench.compare import worker_totals
+
     server = lane_first_server
     assert any("prefill lane: a prompt of 128+ tokens" in line for line in server.log), server.log[-5:]
+    totals = lambda: worker_totals(f"{server.base_url}/v1")  # noqa: E731  (what `tandem bench compare` reads)
+    steps = lambda t: t["num_decode_steps"] + t["num_prompt_steps"]  # noqa: E731
+    steps_before = steps(totals())
     lane_prompts, lane_tokens, num_long = long_prompt_mid_stream(server, llm)
     wait_until(lambda: server.metric("num_lane_prompts", "decode") > lane_prompts, what="the lane in Stats")
     assert server.metric("num_lane_prompts", "decode") == lane_prompts + 1  # the long prompt alone
     assert server.metric("num_lane_prompt_tokens", "decode") == lane_tokens + num_long
-    from bench.compare import worker_totals
+    after = totals()
+    assert after["num_lane_prompts"] == lane_prompts + 1 and 0 < after["lane_busy_ms"] < 60_000
+    # the streams' 160 tokens each came from at least 159 steps (Stats is polled: wait for the last of them)
+    def stepped():
+        now = totals()
+        return now if steps(now) - steps_before >= 159 else None
 
-    totals = worker_totals(f"{server.base_url}/v1")  # what `tandem bench compare` reads of it
-    assert totals["num_lane_prompts"] == lane_prompts + 1 and 0 < totals["lane_busy_ms"] < 60_000
-    # the streams' 160 tokens each came from decode steps (some of them read prompt tokens too)
-    assert totals["num_decode_steps"] + totals["num_prompt_steps"] >= 159
-    assert totals["decode_steps_seqs"] >= totals["num_decode_steps"] > 0 and totals["decode_steps_ms"] > 0
+    after = wait_until(stepped, timeout_s=10, what="the streams' steps in Stats")
+    assert after["decode_steps_seqs"] >= after["num_decode_steps"] > 0 and after["decode_steps_ms"] > 0
 
 
 def test_a_prompt_whose_client_leaves_while_it_waits_for_the_lane_is_dropped(lane_first_server, llm):
@@ -577,7 +584,7 @@ def test_under_the_pace_policy_the_lane_takes_a_prompt_when_the_streams_are_slow
     try:
         assert any("more than 0.5 ms apart (policy pace)" in line for line in server.log), server.log[-5:]
         pace = lambda: server.metric("stream_pace_ms", "decode")  # noqa: E731
-        assert pace() == 0.0  # nothing decodes yet
+        wait_until(lambda: pace() == 0.0, timeout_s=10, what="no pace while nothing decodes")  # after warm-up
         paces: list[float] = []
         # while the two streams decode, /metrics reports their pace (a step of two real decodes takes ms)
         lane_prompts, lane_tokens, num_long = long_prompt_mid_stream(
