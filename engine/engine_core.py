@@ -97,13 +97,6 @@ class EngineCounters:
     num_lane_prompts: int = 0  # prompts the prefill lane computed for requests still there (engine/prefill_lane.py)
     num_lane_prompt_tokens: int = 0  # their prompt positions (also in num_prompt_tokens_computed)
     lane_busy_s: float = 0.0  # the lane's time computing prompts (those aborted meanwhile too)
-    # the steps' own time (forward and sampling), apart for steps that only decode (the shape
-    # `tandem bench engine` times offline) and steps that read prompt tokens too
-    num_decode_steps: int = 0
-    decode_steps_s: float = 0.0
-    decode_steps_seqs: int = 0  # the sequences those steps decoded, summed (their mean batch)
-    num_prompt_steps: int = 0
-    prompt_steps_s: float = 0.0
 
 
 class EngineCore:
@@ -319,16 +312,6 @@ class EngineCore:
         return EngineCoreOutput.aborted(request_id, detok.take_delta(True) if detok else "",
                                         request.num_cached_tokens, request.times)
 
-    def _count_step(self, shape: StepShape) -> None:
-        counters = self.counters
-        if shape.num_prompt_tokens:
-            counters.num_prompt_steps += 1
-            counters.prompt_steps_s += shape.elapsed_s
-        else:
-            counters.num_decode_steps += 1
-            counters.decode_steps_s += shape.elapsed_s
-            counters.decode_steps_seqs += shape.num_decodes
-
     def num_in_lane(self) -> int:
         """Requests whose prompt the lane holds now (computing, or queued there). The scheduler
         keeps them with those whose KV comes from a prefill worker, but no transfer is involved.
@@ -395,10 +378,9 @@ class EngineCore:
                 self._detokenizers.pop(seq.request_id, None)
                 self.kv_exporter.close(seq.request_id, FinishReason.ERROR)
             raise
-        shape = StepShape(scheduled.num_decodes, scheduled.num_batched_tokens - scheduled.num_decodes,
-                          time.perf_counter() - started, ended_at=time.monotonic())
-        self.scheduler.step_budget.observe(shape)
-        self._count_step(shape)
+        self.scheduler.step_budget.observe(StepShape(
+            scheduled.num_decodes, scheduled.num_batched_tokens - scheduled.num_decodes, time.perf_counter() - started,
+            ended_at=time.monotonic()))
         updates = self.scheduler.update_from_output(scheduled, runner_output)
         failed_outputs += [self._fail(self.scheduler.requests[request_id], message)
                            for request_id, message in runner_output.failed.items()

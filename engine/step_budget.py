@@ -61,6 +61,19 @@ class StepShape:
     ended_at: float | None = None  # time.monotonic() when it ended (the streams' pace: StreamPace)
 
 
+@dataclass(slots=True)
+class StepTotals:
+    """Every executed step's own time (forward and sampling) since the engine started, apart for
+    steps that only decode (the shape `tandem bench engine` times offline) and steps that read
+    prompt tokens too; workers report them in Stats."""
+
+    num_decode_steps: int = 0
+    decode_steps_ms: float = 0.0
+    decode_steps_seqs: int = 0  # the sequences those steps decoded, summed (their mean batch)
+    num_prompt_steps: int = 0
+    prompt_steps_ms: float = 0.0
+
+
 class StepBudget:
     """Owned by the scheduler, which asks it once per step; the engine core tells it what each
     executed step did (``observe``). Not thread-safe: the engine thread alone uses it (Stats
@@ -73,6 +86,7 @@ class StepBudget:
         self.chunk_counts = [0] * (len(CHUNK_TOKEN_BUCKETS) + 1)  # per bucket (last: above every bound)
         self.chunk_sum = 0  # prompt tokens over every step that computed some
         self.pace = StreamPace()
+        self.totals = StepTotals()
 
     def prompt_tokens(self, num_decodes: int) -> int:
         """Prompt tokens the next step may compute, given that ``num_decodes`` sequences decode
@@ -89,11 +103,16 @@ class StepBudget:
     def observe(self, shape: StepShape) -> None:
         if shape.num_decodes and shape.ended_at is not None:
             self.pace.observe(shape.ended_at)
-        elapsed_ms = shape.elapsed_s * 1000
+        elapsed_ms, totals = shape.elapsed_s * 1000, self.totals
         if shape.num_prompt_tokens == 0:
+            totals.num_decode_steps += 1
+            totals.decode_steps_ms += elapsed_ms
+            totals.decode_steps_seqs += shape.num_decodes
             if shape.num_decodes:
                 self.decode_ms = self._average(self.decode_ms, elapsed_ms)
             return
+        totals.num_prompt_steps += 1
+        totals.prompt_steps_ms += elapsed_ms
         self._count(shape.num_prompt_tokens)
         decode_part = (self.decode_ms or 0.0) if shape.num_decodes else 0.0
         # a step can beat the estimate of its decode part (noise): the prompt tokens still cost something

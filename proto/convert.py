@@ -4,6 +4,7 @@ Stats reply."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING
 
 from engine.outputs import PositionLogprobs
@@ -69,7 +70,5 @@ def worker_stats(core: EngineCore, role: str, address: str, kv_bytes_sent: int =
         prefill_chunk_tokens_sum=scheduler.step_budget.chunk_sum, max_num_seqs=scheduler.config.max_num_seqs,
         num_lane_prompts=counters.num_lane_prompts, num_lane_prompt_tokens=counters.num_lane_prompt_tokens,
         lane_busy_ms=round(counters.lane_busy_s * 1000), stream_pace_ms=core.stream_pace_ms(),
-        num_decode_steps=counters.num_decode_steps, decode_steps_ms=counters.decode_steps_s * 1000,
-        decode_steps_seqs=counters.decode_steps_seqs, num_prompt_steps=counters.num_prompt_steps,
-        prompt_steps_ms=counters.prompt_steps_s * 1000,
+        **dataclasses.asdict(scheduler.step_budget.totals),
     )
