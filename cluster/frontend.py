@@ -58,7 +58,7 @@ class Frontend:
 
     def __init__(self, config, plan, info, policy, tracing_config, workers) -> None:
         self.config, self.plan, self.workers = config, plan, workers
-        self.pool = WorkerPool([], [], plan.secret, policy)
+        self.pool = WorkerPool([], [], plan.secret, policy, step_outputs=config.step_outputs)
         self.index = PrefixIndex(plan.redis_url) if config.routing_policy == "prefix" else None
         self.tracing = setup_tracing(ROUTER_SERVICE, tracing_config, f"{config.host}:{config.port}")
         self.state = RouterState(router_config(config, plan), info, self.pool, self.index, self.tracing)

@@ -209,6 +209,8 @@ class ServeConfig:
     migration_limit: int = flag(3, int, "how often one stream may move to another decode worker (or the restarted "
                                         "one) when its decode worker is lost after the first token; it resumes "
                                         "there from the tokens already sent (0: such streams end with an error)")
+    step_outputs: bool = flag(True, bool, "decode workers send the router their streams' tokens in one message per "
+                                          "engine step (off: one message per token per stream)")
     ready_timeout: float = flag(600.0, float, "seconds each worker may take to start")
     orphan_timeout: float = flag(120.0, float, "with --ray-address, where workers outlive their router: a worker "
                                                "no router has called for this many seconds drains and exits, and "
@@ -273,7 +275,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser, env: Mapping[str, str] 
         parse, text = spec.metadata["parse"], env.get(env_name(spec.name))
         default = spec.default if spec.default is not MISSING else None
         if parse is bool:
-            parser.add_argument(f"--{_dashed(spec.name)}", action="store_true",
+            # a switch that is on by default also gets its --no- form
+            action = argparse.BooleanOptionalAction if default else "store_true"
+            parser.add_argument(f"--{_dashed(spec.name)}", action=action,
                                 default=default if text is None else _switch(text), help=spec.metadata["help"])
             continue
         parser.add_argument(f"--{_dashed(spec.name)}", type=parse, choices=spec.metadata["choices"],

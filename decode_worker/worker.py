@@ -79,10 +79,10 @@ class _Mailbox:
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
-        self._pending: list[tuple[asyncio.Queue, EngineCoreOutput]] = []
+        self._pending: list[tuple[_Stream, EngineCoreOutput]] = []
 
-    def post(self, queue: asyncio.Queue, output: EngineCoreOutput) -> None:
-        self._pending.append((queue, output))
+    def post(self, stream: _Stream, output: EngineCoreOutput) -> None:
+        self._pending.append((stream, output))
 
     def flush(self) -> None:
         pending, self._pending = self._pending, []
@@ -90,20 +90,58 @@ class _Mailbox:
             self._loop.call_soon_threadsafe(_deliver, pending)
 
 
-def _deliver(pending: list[tuple[asyncio.Queue, EngineCoreOutput]]) -> None:  # aio loop
-    for queue, output in pending:
-        queue.put_nowait(output)
+def _deliver(pending: list[tuple[_Stream, EngineCoreOutput]]) -> None:  # aio loop
+    """A step's outputs: chunks of requests bound to an Outputs stream go there, one message
+    per stream; the rest (and every last output) to their Generate call."""
+    steps: dict[_OutputsStream, pb.StepOutputs] = {}
+    for stream, output in pending:
+        shared = stream.shared
+        if shared is None or output.finish_reason is not None or output.error is not None:
+            stream.outputs.put_nowait(output)
+        elif not shared.is_closed:  # closed: the Generate call has ended with UNAVAILABLE
+            step = steps.get(shared)
+            if step is None:
+                step = steps[shared] = pb.StepOutputs()
+            step.outputs.add(request_id=stream.request_id,
+                             chunk=output_to_chunk(output, stream.num_prompt_tokens))
+            stream.num_streamed += 1
+            stream.progressed = time.monotonic()
+    for shared, step in steps.items():
+        shared.steps.put_nowait(step)
 
 
-@dataclass(slots=True)
+@dataclass(eq=False, slots=True)
+class _OutputsStream:
+    """One Outputs call: the step messages it has still to send, and the Generate streams
+    bound to it (they end when it does). Aio loop only."""
+
+    stream_id: str
+    steps: asyncio.Queue = field(default_factory=asyncio.Queue)  # pb.StepOutputs, in step order
+    bound: set[_Stream] = field(default_factory=set)
+    is_closed: bool = False
+
+
+class _StreamClosed:
+    """Put in a bound Generate call's queue when its Outputs stream ends: chunks it sent may
+    not have arrived, so the call ends with UNAVAILABLE and the router resumes elsewhere from
+    the tokens it has."""
+
+
+@dataclass(eq=False, slots=True)
 class _Stream:
-    """One Generate call's mailbox: the engine thread puts outputs, the handler awaits them."""
+    """One Generate call's mailbox: the engine thread puts outputs, the handler awaits them
+    (with an Outputs stream, only the last; the rest go there)."""
 
     mailbox: _Mailbox
-    outputs: asyncio.Queue = field(default_factory=asyncio.Queue)
+    request_id: str
+    num_prompt_tokens: int
+    shared: _OutputsStream | None = None  # the Outputs stream its chunks but the last go to
+    num_streamed: int = 0  # chunks sent there so far
+    progressed: float = 0.0  # time.monotonic() of the latest of them (the stall timeout counts from it)
+    outputs: asyncio.Queue = field(default_factory=asyncio.Queue)  # EngineCoreOutput | _StreamClosed
 
     def put(self, output: EngineCoreOutput) -> None:  # engine thread
-        self.mailbox.post(self.outputs, output)
+        self.mailbox.post(self, output)
 
 
 class DecodeWorker(pb_grpc.DecodeWorkerServicer):
@@ -123,6 +161,7 @@ class DecodeWorker(pb_grpc.DecodeWorkerServicer):
         self._metadata = secret_metadata(config.server.cluster_secret)
         self._prefill_stubs: dict[str, pb_grpc.PrefillWorkerStub] = {}  # address -> stub (aio loop only)
         self._torch_receivers: dict[str, TorchDistKVReceiver] = {}  # prefill address -> live pair
+        self._outputs: dict[str, _OutputsStream] = {}  # stream id -> open Outputs call (aio loop only)
 
     def _register(self, server: grpc.aio.Server) -> None:
         pb_grpc.add_DecodeWorkerServicer_to_server(self, server)
@@ -146,7 +185,8 @@ class DecodeWorker(pb_grpc.DecodeWorkerServicer):
     async def Generate(self, request: pb.GenerateRequest, context):
         received = time.monotonic()
         request_id = request.request_id or f"gen-{uuid.uuid4().hex}"
-        stream = _Stream(self._mailbox)
+        stream = _Stream(self._mailbox, request_id, len(request.prompt_token_ids),
+                         shared=self._outputs.get(request.outputs_stream) if request.outputs_stream else None)
         try:
             check_request_id(request_id)
             params = params_from_proto(request.params)
@@ -167,14 +207,16 @@ class DecodeWorker(pb_grpc.DecodeWorkerServicer):
         prefill = None
         if admission.kv_from_pos is not None:
             prefill = asyncio.create_task(self._remote_prefill(request_id, request, params, admission))
+        if stream.shared is not None:
+            stream.shared.bound.add(stream)
+            if stream.shared.is_closed:  # it ended while this one was admitted
+                stream.outputs.put_nowait(_StreamClosed())
         finished = False
         try:
             while not finished:
-                try:
-                    output = await asyncio.wait_for(stream.outputs.get(), self.config.stall_timeout_s)
-                except TimeoutError:
-                    await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
-                                        f"no progress for {self.config.stall_timeout_s:.0f} s")
+                output = await self._next_output(stream, context)
+                if isinstance(output, _StreamClosed):
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, "the router's Outputs stream ended")
                 finished = output.finish_reason is not None
                 stages = self._finished(request_id, admission, output) if output.times is not None else None
                 if output.error is not None:
@@ -182,14 +224,43 @@ class DecodeWorker(pb_grpc.DecodeWorkerServicer):
                 chunk = output_to_chunk(output, admission.num_prompt_tokens)
                 if stages is not None:
                     chunk.stages.CopyFrom(stages)
+                chunk.num_streamed_chunks = stream.num_streamed
                 yield chunk
         finally:
             logger.info("request %s %s (prompt %d tokens, %s)", request_id, "finished" if finished else "cancelled",
                         admission.num_prompt_tokens, "local prefill" if prefill is None else "remote prefill")
+            if stream.shared is not None:
+                stream.shared.bound.discard(stream)
             if not finished:  # client gone, cancelled or failed: free everything it holds here
                 self.engine_loop.abort(request_id)
             if prefill is not None and not prefill.done():
                 prefill.cancel()  # cancels the Prefill call: the prefill worker drops it too
+
+    async def _next_output(self, stream: _Stream, context) -> EngineCoreOutput | _StreamClosed:
+        """The call's next output; a stream with no output for --stall-timeout (counting the
+        chunks it sent on its Outputs stream) fails with DEADLINE_EXCEEDED."""
+        stall_s, since = self.config.stall_timeout_s, time.monotonic()
+        while (remaining := max(since, stream.progressed) + stall_s - time.monotonic()) > 0:
+            try:
+                return await asyncio.wait_for(stream.outputs.get(), remaining)
+            except TimeoutError:
+                pass  # its Outputs stream may have had some meanwhile
+        await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"no progress for {stall_s:g} s")
+
+    async def Outputs(self, request: pb.OutputsRequest, context):
+        """A router's stream of its requests' chunks, one message per engine step. Its Generate
+        calls name it; when it ends (the router closed it, or is gone), they end too."""
+        shared = _OutputsStream(uuid.uuid4().hex)
+        self._outputs[shared.stream_id] = shared
+        try:
+            yield pb.StepOutputs(stream_id=shared.stream_id)
+            while True:
+                yield await shared.steps.get()
+        finally:
+            shared.is_closed = True
+            del self._outputs[shared.stream_id]
+            for stream in shared.bound:
+                stream.outputs.put_nowait(_StreamClosed())
 
     def _finished(self, request_id: str, admission: _Admission, output: EngineCoreOutput) -> pb.StageTimes:
         """Its stage times (for the router) and, with tracing on, its spans here."""

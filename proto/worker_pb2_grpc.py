@@ -39,6 +39,11 @@ class DecodeWorkerStub:
                 request_serializer=proto_dot_worker__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=proto_dot_worker__pb2.GenerateChunk.FromString,
                 _registered_method=True)
+        self.Outputs = channel.unary_stream(
+                '/tandem.v1.DecodeWorker/Outputs',
+                request_serializer=proto_dot_worker__pb2.OutputsRequest.SerializeToString,
+                response_deserializer=proto_dot_worker__pb2.StepOutputs.FromString,
+                _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/tandem.v1.DecodeWorker/Abort',
                 request_serializer=proto_dot_worker__pb2.AbortRequest.SerializeToString,
@@ -56,6 +61,14 @@ class DecodeWorkerServicer:
 
     def Generate(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Outputs(self, request, context):
+        """The chunks of the Generate calls that name this stream, one message per step for all of
+        them instead of one per token per call (the router wakes once per step, not per stream).
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -79,6 +92,11 @@ def add_DecodeWorkerServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=proto_dot_worker__pb2.GenerateRequest.FromString,
                     response_serializer=proto_dot_worker__pb2.GenerateChunk.SerializeToString,
+            ),
+            'Outputs': grpc.unary_stream_rpc_method_handler(
+                    servicer.Outputs,
+                    request_deserializer=proto_dot_worker__pb2.OutputsRequest.FromString,
+                    response_serializer=proto_dot_worker__pb2.StepOutputs.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
@@ -118,6 +136,33 @@ class DecodeWorker:
             '/tandem.v1.DecodeWorker/Generate',
             proto_dot_worker__pb2.GenerateRequest.SerializeToString,
             proto_dot_worker__pb2.GenerateChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Outputs(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/tandem.v1.DecodeWorker/Outputs',
+            proto_dot_worker__pb2.OutputsRequest.SerializeToString,
+            proto_dot_worker__pb2.StepOutputs.FromString,
             options,
             channel_credentials,
             insecure,

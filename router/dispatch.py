@@ -233,11 +233,15 @@ class Dispatcher:
         prefiller.prompt_tokens_in_flight += num_queued
         decode.in_flight += 1
         self.active[request.request_id] = decode.address
-        call = self.pool.decode_stub(decode).Generate(request, metadata=self.pool.metadata + trace.metadata,
-                                                      timeout=max(0.001, moves.deadline - time.monotonic()))
-        prefilling = True
+        prefilling, call, chunks = True, None, None
         try:
-            async for chunk in call:
+            outputs = await self.pool.outputs.bind(decode.address) if self.pool.outputs is not None else None
+            if outputs is not None:  # its chunks come on the worker's Outputs stream, one message per step
+                request.outputs_stream = outputs.stream_id
+            call = self.pool.decode_stub(decode).Generate(request, metadata=self.pool.metadata + trace.metadata,
+                                                          timeout=max(0.001, moves.deadline - time.monotonic()))
+            chunks = call if outputs is None else outputs.chunks(request.request_id, call)
+            async for chunk in chunks:
                 if prefilling and chunk.token_ids:  # the first token: its prompt is done
                     prefilling = False
                     self._prefilled(prefill, prefiller, num_queued)
@@ -245,7 +249,10 @@ class Dispatcher:
                     chunk.num_cached_tokens = 0  # the usage's cached tokens are the first worker's
                 yield chunk
         finally:
-            call.cancel()  # no-op when it completed; otherwise the workers drop the request
+            if chunks is not None and chunks is not call:  # stops reading the call and the stream for it
+                await chunks.aclose()
+            if call is not None:
+                call.cancel()  # no-op when it completed; otherwise the workers drop the request
             decode.in_flight -= 1
             self.active.pop(request.request_id, None)
             if prefilling:

@@ -14,6 +14,7 @@ import grpc
 from proto import worker_pb2 as pb
 from proto import worker_pb2_grpc as pb_grpc
 from proto.rpc import CHANNEL_OPTIONS, Role, secret_metadata
+from router.outputs import OutputStreams
 from router.policy import RouteRequest, RoutingPolicy, WorkerView
 
 logger = logging.getLogger(__name__)
@@ -28,7 +29,8 @@ class Assignment:
 
 class WorkerPool:
     def __init__(self, decode_addresses: list[str], prefill_addresses: list[str], secret: str,
-                 policy: RoutingPolicy, poll_interval_s: float = 0.5, stats_timeout_s: float = 2.0) -> None:
+                 policy: RoutingPolicy, poll_interval_s: float = 0.5, stats_timeout_s: float = 2.0,
+                 step_outputs: bool = True) -> None:
         self.decode = [WorkerView(Role.DECODE, a) for a in decode_addresses]
         self.prefill = [WorkerView(Role.PREFILL, a) for a in prefill_addresses]
         self.metadata = secret_metadata(secret)
@@ -39,6 +41,9 @@ class WorkerPool:
         self._task: asyncio.Task | None = None
         self.failures_to_drop = 3  # consecutive failed Stats before a worker leaves routing
         self._last_seen: dict[str, tuple[float, int]] = {}  # address -> (time, prompt tokens computed)
+        # decode workers' tokens in one message per engine step (router/outputs.py); None: one
+        # message per token per request, on each Generate call
+        self.outputs = OutputStreams(self._open_outputs) if step_outputs else None
 
     def add_workers(self, role: Role, addresses: list[str]) -> None:
         """Workers that started after the pool was made (they join routing once healthy)."""
@@ -70,6 +75,8 @@ class WorkerPool:
         if worker in views:
             views.remove(worker)
         self._last_seen.pop(worker.address, None)
+        if self.outputs is not None:
+            self.outputs.close(worker.address)
         channel = self._channels.pop(worker.address, None)
         if channel is not None:
             asyncio.get_running_loop().create_task(channel.close())
@@ -88,6 +95,9 @@ class WorkerPool:
     def decode_stub(self, worker: WorkerView) -> pb_grpc.DecodeWorkerStub:
         return pb_grpc.DecodeWorkerStub(self._channel(worker.address))
 
+    def _open_outputs(self, address: str):
+        return pb_grpc.DecodeWorkerStub(self._channel(address)).Outputs(pb.OutputsRequest(), metadata=self.metadata)
+
     def _stats_call(self, worker: WorkerView):
         channel = self._channel(worker.address)
         stub = pb_grpc.DecodeWorkerStub(channel) if worker.role == Role.DECODE else pb_grpc.PrefillWorkerStub(channel)
@@ -101,6 +111,8 @@ class WorkerPool:
     async def stop(self) -> None:
         if self._task is not None:
             self._task.cancel()
+        if self.outputs is not None:
+            self.outputs.close_all()
         for channel in self._channels.values():
             await channel.close()
 
