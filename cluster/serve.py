@@ -209,6 +209,11 @@ class ServeCluster:
             # process, so a busy machine preempts decode steps first. Ours run at 0 (prefill
             # workers then lower themselves by --prefill-nice).
             os.environ.setdefault("RAY_worker_niceness", "0")
+            # no idle worker prestarted for tasks (tandem runs actors only) and no Ray metrics
+            # export (tandem's own /metrics reads the workers' Stats): on shared cores each of
+            # them woke about 100 times a second and preempted an engine thread each time
+            os.environ.setdefault("RAY_prestart_worker_first_driver", "0")
+            os.environ.setdefault("RAY_enable_metrics_collection", "0")
             # room for each pool's largest size, whichever mode auto picks (a joined cluster's
             # autoscaler adds nodes instead)
             init_ray(num_cpus=os.cpu_count(), resources={Role.PREFILL.value: self.config.prefill_workers.max,
