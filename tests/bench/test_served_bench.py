@@ -7,6 +7,7 @@ from collections import Counter
 
 import pytest
 
+from bench.cpu_noise import Noise, NoisySide
 from bench.served_bench import (
     ServedBenchConfig,
     ServedBenchResult,
@@ -101,3 +102,37 @@ def test_table_has_both_overheads_and_the_ratio_to_vllm():
     result = ServedBenchResult(cfg, "test machine", [ServedRow(8, 50.0, 55.0, 40.0, 60.0)], {"tandem served": "x"})
     row = render_served(result).splitlines()[3]
     assert row == "| 8 | 50.0 | 55.0 | 1.10 | 40.0 | 60.0 | 1.50 | 0.92 |"
+
+
+def test_the_noise_table_sets_each_engine_beside_the_noise_against_itself_quiet():
+    cfg = ServedBenchConfig(model="m", streams=(8,), vllm_python="python", noise=Noise.parse("900:150"))
+    result = ServedBenchResult(cfg, "test machine", [ServedRow(8, 50.0, 55.0, 40.0, 60.0, 60.0, 44.0)], {})
+    lines = render_served(result).splitlines()
+    assert "900 wake-ups/s x 150 us (13.5% of a core)" in lines[5]
+    assert lines[8] == "| 8 | 50.0 | 60.0 | 1.20 | 40.0 | 44.0 | 1.10 |"
+
+
+@pytest.mark.parametrize("bad", ["900", "0:150", "900:-1", "2000:1000", "a:b"])
+def test_noise_that_is_not_a_rate_and_a_work_under_one_core_is_refused(bad):
+    with pytest.raises(ValueError, match="noise"):
+        Noise.parse(bad)
+
+
+def test_a_noisy_side_runs_the_noise_only_while_its_engine_is_measured():
+    import psutil
+
+    seen = []
+
+    class Engine:
+        name, command = "tandem engine", "engine"
+
+        def measure(self, prompts, max_tokens):
+            children = psutil.Process().children()
+            seen.append([c.cpu_percent(interval=0.5) for c in children])
+            return [1.0]
+
+    side = NoisySide(Engine(), Noise(400, 1000))  # 40% of a core
+    assert side.name == "tandem engine + noise" and "40.0% of a core" in side.command
+    assert side.measure([[1]], 2) == [1.0]
+    assert len(seen[0]) == 1 and seen[0][0] > 10  # the noise process computed while the engine ran
+    assert psutil.Process().children() == []  # and is gone after
