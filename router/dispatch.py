@@ -235,7 +235,8 @@ class Dispatcher:
         self.active[request.request_id] = decode.address
         prefilling, call, chunks = True, None, None
         try:
-            outputs = await self.pool.outputs.bind(decode.address) if self.pool.outputs is not None else None
+            outputs = (await self.pool.outputs.bind(decode.address, moves.deadline) if self.pool.outputs is not None
+                       else None)
             if outputs is not None:  # its chunks come on the worker's Outputs stream, one message per step
                 request.outputs_stream = outputs.stream_id
             call = self.pool.decode_stub(decode).Generate(request, metadata=self.pool.metadata + trace.metadata,

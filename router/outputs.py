@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
@@ -177,16 +178,19 @@ class OutputStreams:
         self._streams: dict[str, WorkerOutputs] = {}  # address -> its latest stream
         self._unsupported: set[str] = set()  # addresses whose worker answered UNIMPLEMENTED
 
-    async def bind(self, address: str) -> WorkerOutputs | None:
+    async def bind(self, address: str, deadline: float | None = None) -> WorkerOutputs | None:
         """The worker's open stream (opened now if need be); None where it has none: its
-        requests then stream on their Generate calls."""
+        requests then stream on their Generate calls. A stream still opening is waited for at
+        most the open timeout, and never past ``deadline`` (time.monotonic(): the request's own),
+        so that a worker slow to answer costs a request no more than the time it has left."""
         outputs = self._streams.get(address)
         if outputs is None or outputs.is_closed:
             if address in self._unsupported:
                 return None
             outputs = self._streams[address] = WorkerOutputs(address, self._open_call(address))
+        wait_s = self._open_timeout_s if deadline is None else min(self._open_timeout_s, deadline - time.monotonic())
         try:
-            is_open = await asyncio.wait_for(asyncio.shield(outputs.ready), self._open_timeout_s)
+            is_open = await asyncio.wait_for(asyncio.shield(outputs.ready), max(0.0, wait_s))
         except TimeoutError:
             return None
         if not is_open and outputs.code == grpc.StatusCode.UNIMPLEMENTED:

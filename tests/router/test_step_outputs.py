@@ -8,6 +8,7 @@ every chunk on the call."""
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import defaultdict
 from contextlib import aclosing
 
@@ -257,3 +258,31 @@ def test_tokens_on_the_outputs_stream_count_as_progress_against_the_stall_timeou
         assert tokens == reference(llm, prompt_ids, params) and "migrate" not in decisions
     finally:
         worker.stop()
+
+
+def test_a_stream_still_opening_is_waited_for_no_longer_than_the_request_has():
+    """A worker that does not answer the Outputs call costs a request at most its own time
+    left, not the open timeout; a later request with time to spare still gets the stream once
+    it opens."""
+    async def run():
+        opened = []
+
+        def open_call(address):
+            opened.append(_Call())
+            return opened[-1]
+
+        streams = router_outputs.OutputStreams(open_call, open_timeout_s=60.0)
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        assert await streams.bind("w:1", deadline=time.monotonic() + 0.2) is None
+        assert loop.time() - started < 30.0  # the request's 0.2 s, far below the 60 s open timeout
+        assert await streams.bind("w:1", deadline=time.monotonic() - 1.0) is None  # already past it
+        assert len(opened) == 1  # the same stream, still opening: not opened again
+        later = asyncio.create_task(streams.bind("w:1", deadline=time.monotonic() + 60.0))
+        await asyncio.sleep(0.05)
+        opened[0].items.put_nowait(pb.StepOutputs(stream_id="s1"))
+        bound = await later
+        assert bound is not None and bound.stream_id == "s1"
+        streams.close_all()
+
+    asyncio.run(run())
