@@ -22,6 +22,9 @@ each request then joins the batch with its first token, as one whose KV came fro
 worker does. While the lane is full, the next prompt for it waits at the head of the queue
 rather than stall the streams in a step (and what arrived after it waits too): the streams'
 pace is kept, the prompts queue for one thread, as on a disaggregated pair's prefill worker.
+It waits only while the lane, at its measured ms per token (``backlog_ms``), gets to it within
+the wait bound; a queue that grows faster than the lane's one thread reads it is read in the
+steps instead of growing on its own.
 The lane touches nothing but its own runner (the shared model and KV tensors, read-only but
 for the request's own blocks); the KV manager keeps those blocks pinned so that an abort
 meanwhile cannot hand them to another request before the lane is done writing (a prompt
@@ -76,6 +79,8 @@ DEFAULT_PREFILL_LANE_POLICY = "pace"
 # little under the 100 ms TPOT SLO of the capacity searches; 70 sent more prompts to the lane
 # for a lower TPOT p90 and a higher TTFT p90 (75 / 689 ms against 83 / 660 at 2.32 req/s).
 DEFAULT_PREFILL_LANE_PACE_MS = 80.0
+# the weight of the newest prompt in the moving average of the lane's ms per prompt token
+LANE_COST_SMOOTHING = 0.25
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,6 +92,7 @@ class LaneResult:
     error: BaseException | None
     elapsed_s: float
     started: float  # time.monotonic() when the lane started computing it
+    widened: bool = False  # some of its layers ran on more than the lane's own threads (``widen``)
 
 
 class PrefillLane:
@@ -118,6 +124,14 @@ class PrefillLane:
         runner.after_layer = self._fit
         # request ids submitted and not yet taken back, in order (the engine thread's view)
         self.pending: list[str] = []
+        # The lane's measured cost: a moving average of ms per prompt token over the prompts it
+        # computed on its own threads alone (the engine thread's view; None before the first).
+        self.ms_per_token: float | None = None
+        # what the lane has yet to compute, for ``backlog_ms``: under ``_lock``
+        self._tokens_left = 0  # prompt tokens submitted and not yet computed (or skipped)
+        self._current_tokens = 0  # those of the prompt computing now
+        self._current_started: float | None = None  # time.monotonic() when it started
+        self._widened = False  # the prompt computing now has run a layer on more than ``threads``
         self._cancelled: set[str] = set()  # pending ids the lane skips if it has not started them
         self._jobs: queue.SimpleQueue[ScheduledSeq | None] = queue.SimpleQueue()
         self._done: queue.SimpleQueue[LaneResult] = queue.SimpleQueue()
@@ -135,6 +149,8 @@ class PrefillLane:
     def submit(self, seq: ScheduledSeq) -> None:
         assert self.has_room, f"the lane holds at most {self.depth} prompts"
         self.pending.append(seq.request_id)
+        with self._lock:
+            self._tokens_left += len(seq.token_ids)
         self._jobs.put(seq)
 
     def take_done(self) -> LaneResult | None:
@@ -145,7 +161,24 @@ class PrefillLane:
             return None
         self.pending.remove(result.seq.request_id)
         self._cancelled.discard(result.seq.request_id)
+        if result.output is not None and not result.widened and result.seq.token_ids:
+            sample = result.elapsed_s * 1000.0 / len(result.seq.token_ids)
+            current = self.ms_per_token
+            self.ms_per_token = sample if current is None else current + LANE_COST_SMOOTHING * (sample - current)
         return result
+
+    def backlog_ms(self, now: float) -> float | None:
+        """How long, by its measured ms per token, until the lane has computed what it holds
+        now: the rest of the prompt it computes (at least nothing, when it runs over its
+        estimate) and those queued behind it. None before its first measured prompt."""
+        if self.ms_per_token is None:
+            return None
+        with self._lock:
+            queued = self._tokens_left - self._current_tokens
+            current_ms = self._current_tokens * self.ms_per_token
+            if self._current_started is not None:
+                current_ms = max(0.0, current_ms - (now - self._current_started) * 1000.0)
+        return queued * self.ms_per_token + current_ms
 
     def widen(self, threads: int) -> None:
         """The engine thread has nothing to step: the lane may use ``threads`` from its next
@@ -181,18 +214,22 @@ class PrefillLane:
             started, clock = time.monotonic(), time.perf_counter()
             with self._lock:
                 self._computing = True
+                self._current_tokens, self._current_started, self._widened = len(seq.token_ids), started, False
             self._fit()
             if seq.request_id in self._cancelled:
                 result = LaneResult(seq, None, None, 0.0, started)
             else:
                 step = SchedulerOutput(seqs=[seq], num_batched_tokens=len(seq.token_ids), preempted_ids=[])
                 try:
-                    result = LaneResult(seq, self.runner.execute(step), None, time.perf_counter() - clock, started)
+                    result = LaneResult(seq, self.runner.execute(step), None, time.perf_counter() - clock, started,
+                                        self._widened)
                 except Exception as exc:  # the engine thread fails this request alone
                     result = LaneResult(seq, None, exc, time.perf_counter() - clock, started)
             with self._lock:
                 self._computing = False
                 self._within.set()
+                self._tokens_left -= self._current_tokens
+                self._current_tokens, self._current_started = 0, None
             self._done.put(result)
             if self.on_done is not None:
                 self.on_done()
@@ -204,6 +241,7 @@ class PrefillLane:
             if self.width != self._using:
                 torch.set_num_threads(self.width)
                 self._using = self.width
+            self._widened |= self._computing and self._using > self.threads
             if self._computing and self._using > self.threads:
                 self._within.clear()
             else:

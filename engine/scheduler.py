@@ -144,7 +144,8 @@ class Scheduler:
             return None
         request = self.waiting.peek()
         cached = self._lane_hit(request)
-        if cached is None or not self.kv.allocate_slots(request.request_id, request.num_prompt_tokens, cached):
+        if (cached is None or (self.lane.busy and not self._lane_in_time(request))
+                or not self.kv.allocate_slots(request.request_id, request.num_prompt_tokens, cached)):
             return None
         num_cached = len(cached) * self.kv.block_size
         self.waiting.pop()
@@ -158,6 +159,17 @@ class Scheduler:
         """It has waited ``prefill_lane_max_wait_ms`` since it arrived: the steps read it now."""
         bound = self.config.prefill_lane_max_wait_ms
         return bound is not None and (time.monotonic() - request.arrival_time) * 1000.0 >= bound
+
+    def _lane_in_time(self, request: Request) -> bool:
+        """The busy lane, by its measured pace (``PrefillLane.backlog_ms``), gets to ``request``
+        before it has waited ``prefill_lane_max_wait_ms`` since it arrived. When it would not,
+        waiting for the lane only adds that wait to its TTFT (the steps read it at the bound
+        anyway), and a queue that grows faster than the lane's one thread reads it would grow
+        on its own: the steps read it now. True while the lane has not been measured yet."""
+        bound = self.config.prefill_lane_max_wait_ms
+        now = time.monotonic()
+        backlog = self.lane.backlog_ms(now)
+        return bound is None or backlog is None or (now - request.arrival_time) * 1000.0 + backlog < bound
 
     def _lane_hit(self, request: Request) -> list[int] | None:
         """Its prefix-cache hit if ``request`` is one for the lane now, else None: it could go
@@ -187,11 +199,12 @@ class Scheduler:
 
     def _waits_for_lane(self, request: Request) -> bool:
         """``request`` waits at the head of the queue until the busy lane is done (at most
-        ``prefill_lane_max_wait_ms``) instead of being read in the steps: it is one for the lane,
-        or, under ``pace``, one the lane could read, which the steps would read on the threads
-        the lane leaves them (slowly, stalling the streams meanwhile; once the lane is done, the
-        pace decides again)."""
-        if self.lane is None or not self.lane.busy or self._waited_for_lane(request):
+        ``prefill_lane_max_wait_ms``, and only if the lane gets to it by then: ``_lane_in_time``)
+        instead of being read in the steps: it is one for the lane, or, under ``pace``, one the
+        lane could read, which the steps would read on the threads the lane leaves them (slowly,
+        stalling the streams meanwhile; once the lane is done, the pace decides again)."""
+        if (self.lane is None or not self.lane.busy or self._waited_for_lane(request)
+                or not self._lane_in_time(request)):
             return False
         if self.config.prefill_lane_policy == "pace":
             return self._lane_fit(request) is not None

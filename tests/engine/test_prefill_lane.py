@@ -429,6 +429,89 @@ def test_a_prompt_waits_for_the_busy_lane_at_most_its_bound_then_the_steps_read_
         core.close()
 
 
+def test_a_prompt_waits_for_the_busy_lane_only_while_its_measured_backlog_fits_the_bound(tiny_llama_dir):
+    core = build(tiny_llama_dir, LANE_MIN, max_model_len=512, prefill_lane_policy="first",
+                 prefill_lane_max_wait_ms=2000)
+    release = threading.Event()
+    seen = wrap_lane(core, lambda: release.wait(60))
+    streams = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
+    prompts = {name: long_prompt(60 + index, 100) for index, name in enumerate(("long", "queued", "late", "next"))}
+    tokens: dict[str, list[int]] = {}
+    step = functools.partial(step_into, core, tokens)
+    try:
+        tokens.update(start_streams(core, params=streams))
+        assert core.lane.backlog_ms(time.monotonic()) is None  # nothing measured yet
+        core.add_request(core.make_request("long", prompts["long"], GREEDY))
+        step()  # the lane takes it and holds it
+        assert core.lane.pending == ["long"]
+        core.lane.ms_per_token = 0.5  # as if measured: 50 ms for what it holds, well within 2 s
+        assert 0 <= core.lane.backlog_ms(time.monotonic()) <= 50
+        core.add_request(core.make_request("queued", prompts["queued"], GREEDY))
+        step()  # in time: queued in the lane behind it
+        assert core.lane.pending == ["long", "queued"]
+        core.add_request(core.make_request("late", prompts["late"], GREEDY))
+        step()  # the lane is full and gets to it in time: it waits at the head of the queue
+        assert core.scheduler.requests["late"].num_computed_tokens == 0
+        core.lane.ms_per_token = 15.0  # now 3 s for the 200 tokens it holds: past the bound
+        assert 2000 < core.lane.backlog_ms(time.monotonic()) <= 3000
+        step()  # waiting would cost it 2 s and then the steps: they read it now
+        assert core.scheduler.requests["late"].num_computed_tokens > 0
+        core.add_request(core.make_request("next", prompts["next"], GREEDY))
+        while core.scheduler.requests["late"].num_computed_tokens < 100:
+            step()
+        step()
+        assert core.scheduler.requests["next"].num_computed_tokens > 0  # nor does the next one wait
+        assert core.lane.pending == ["long", "queued"]
+        done = threading.Semaphore(0)
+        core.lane.on_done = done.release
+        release.set()
+        assert done.acquire(timeout=60) and done.acquire(timeout=60)
+        step()  # the lane's results come back: its cost is measured on them again
+        assert core.lane.pending == [] and core.counters.num_lane_prompts == 2
+        assert core.lane.ms_per_token != 15.0
+        drain(core, step)
+        assert [request_id for request_id, _, _ in seen] == ["long", "queued"]
+    finally:
+        release.set()
+        core.close()
+
+    assert_plain_engines_tokens(tiny_llama_dir, streams, prompts, tokens)
+
+
+def test_the_lane_measures_its_ms_per_token_on_its_own_threads_alone(tiny_llama_dir):
+    core = build(tiny_llama_dir, LANE_MIN, max_model_len=512, prefill_lane_policy="first")
+    release = threading.Event()
+    release.set()
+    wrap_lane(core, lambda: release.wait(60))
+    tokens: dict[str, list[int]] = {}
+    step = functools.partial(step_into, core, tokens)
+    try:
+        start_streams(core, params=SamplingParams(temperature=0.0, max_tokens=300, ignore_eos=True))
+        core.add_request(core.make_request("narrow", long_prompt(70, 150), GREEDY))
+        deadline = time.monotonic() + 60
+        while core.counters.num_lane_prompts == 0:  # the streams keep the engine thread stepping
+            assert time.monotonic() < deadline, "the lane did not compute its prompt"
+            step()
+        measured = core.lane.ms_per_token
+        assert measured == pytest.approx(core.counters.lane_busy_s * 1000.0 / 150)
+
+        release.clear()
+        core.add_request(core.make_request("wide", long_prompt(71, 150), GREEDY))
+        step()
+        assert core.lane.pending == ["wide"]
+        for request_id in ("s0", "s1", "narrow"):
+            core.abort_request(request_id)
+        step()  # nothing to step now: the lane may use every thread from its next layer on
+        assert core.lane.width == core.num_threads
+        release.set()
+        drain(core, step)
+        assert core.counters.num_lane_prompts == 2
+        assert core.lane.ms_per_token == measured  # a prompt computed on more threads is not the lane's cost
+    finally:
+        release.set()
+        core.close()
+
+
 def test_the_overflow_policy_reads_a_lone_prompt_in_the_steps_and_gives_the_lane_what_overflows(tiny_llama_dir):
     # prompts of 100 tokens in steps of at most 48: a prompt read in the steps takes several
     core = build(tiny_llama_dir, LANE_MIN, max_model_len=512, prefill_lane_policy="overflow",
