@@ -13,6 +13,14 @@ compiles on its first requests) and then the same arrivals. The TPOT SLO default
 unloaded decode step of the first contender, measured first in the same run with three
 requests of the same workload sent one at a time.
 
+With ``--repeat N`` (a fixed sweep) every contender is started at once and the sweep runs N
+rounds, each on requests and arrivals of its own seed, the contenders taking turns rate by
+rate (in reverse order every other round). A figure such as TTFT p90 moves by up to 1.5x
+between two sets of requests at one rate, and a shared machine drifts over the minutes a
+sweep takes; interleaved, both fall on every contender alike. ``rounds_table`` gives each
+figure's median and range over the rounds, and each round's ratio to the reference measured
+in that round. The servers not being measured stay up, idle.
+
 With ``--capacity`` each contender's capacity is searched instead of a fixed sweep: the
 highest Poisson rate at which at least 90% of the requests meet both SLOs, found by doubling
 (or halving) from ``--capacity-start`` until the answer changes, then bisecting geometrically
@@ -281,6 +289,8 @@ class CompareResult:
     command_lines: dict[str, str] = field(default_factory=dict)  # contender -> env and command as started
     capacities: dict[str, Capacity] = field(default_factory=dict)  # with a capacity search
     capacity_bounds: CapacityBounds | None = None  # the search's rules, with a capacity search
+    # with --repeat: contender -> rate -> one summary per round (``runs`` holds round 0's)
+    rounds: dict[str, dict[float, list[dict]]] = field(default_factory=dict)
 
 
 def compare(contenders: list[Contender], workloads: list[list[BenchRequest]], rates: list[float], seed: int,
@@ -297,11 +307,8 @@ def compare(contenders: list[Contender], workloads: list[list[BenchRequest]], ra
     for index, contender in enumerate(contenders):
         say(f"== {contender.name}: {contender.description}")
         with contender.launch() as base_url:
-            ignore_eos = probe_ignore_eos(base_url, contender.model)
+            ignore_eos = _started(contender, base_url, warm_up)
             notes[contender.name] = [] if ignore_eos else ["refuses ignore_eos: output lengths vary"]
-            if warm_up:  # the same unmeasured requests for everyone, two at a time
-                asyncio.run(run_load(LoadConfig(base_url, contender.model, max_concurrency=2, ignore_eos=ignore_eos),
-                                     list(warm_up)))
             if index == 0:
                 unloaded = unloaded_decode_step_ms(base_url, contender.model, calibration)
                 slo_tpot_ms = slo_tpot_ms or 3 * unloaded
@@ -309,14 +316,8 @@ def compare(contenders: list[Contender], workloads: list[list[BenchRequest]], ra
             runs[contender.name] = {}
 
             def measure(rate: float, requests: list[BenchRequest]) -> dict:
-                config = LoadConfig(base_url, contender.model, rate, seed=seed, ignore_eos=ignore_eos)
-                stages_before, workers_before = stage_totals(base_url), worker_totals(base_url)
-                results, duration = asyncio.run(run_load(config, requests, progress=f"{contender.name} @ {rate:.3g}/s"))
-                summary = summarize(results, duration, slo_ttft_ms, slo_tpot_ms)
-                summary["stages_ms"] = stage_means_ms(stages_before, stage_totals(base_url))
-                workers_after = worker_totals(base_url)
-                summary["lane"] = lane_profile(workers_before, workers_after, duration)
-                summary["steps"] = step_profile(workers_before, workers_after)
+                summary = _measure(contender, base_url, ignore_eos, rate, requests, seed, slo_ttft_ms, slo_tpot_ms,
+                                   contender.name)
                 runs[contender.name][rate] = summary
                 say(_line(contender.name, rate, summary))
                 return summary
@@ -331,6 +332,108 @@ def compare(contenders: list[Contender], workloads: list[list[BenchRequest]], ra
     return CompareResult(slo_tpot_ms, slo_ttft_ms, unloaded, runs, {c.name: c.description for c in contenders}, notes,
                          {c.name: _command_line(c) for c in contenders}, capacities,
                          capacity.bounds if capacity is not None else None)
+
+
+def _started(contender: Contender, base_url: str, warm_up: list[BenchRequest]) -> bool:
+    """Probe a started contender and warm it up; whether it honours ignore_eos."""
+    ignore_eos = probe_ignore_eos(base_url, contender.model)
+    if warm_up:  # the same unmeasured requests for everyone, two at a time
+        asyncio.run(run_load(LoadConfig(base_url, contender.model, max_concurrency=2, ignore_eos=ignore_eos),
+                             list(warm_up)))
+    return ignore_eos
+
+
+def _measure(contender: Contender, base_url: str, ignore_eos: bool, rate: float, requests: list[BenchRequest],
+             seed: int, slo_ttft_ms: float | None, slo_tpot_ms: float, label: str) -> dict:
+    """One rate's run against a started contender, with its server-side profiles."""
+    config = LoadConfig(base_url, contender.model, rate, seed=seed, ignore_eos=ignore_eos)
+    stages_before, workers_before = stage_totals(base_url), worker_totals(base_url)
+    results, duration = asyncio.run(run_load(config, requests, progress=f"{label} @ {rate:.3g}/s"))
+    summary = summarize(results, duration, slo_ttft_ms, slo_tpot_ms)
+    summary["stages_ms"] = stage_means_ms(stages_before, stage_totals(base_url))
+    workers_after = worker_totals(base_url)
+    summary["lane"] = lane_profile(workers_before, workers_after, duration)
+    summary["steps"] = step_profile(workers_before, workers_after)
+    return summary
+
+
+# each round of --repeat draws its requests and arrivals from the seed plus this many times its index
+ROUND_SEED_STRIDE = 10_007
+
+
+def compare_rounds(contenders: list[Contender], rounds: list[list[list[BenchRequest]]], rates: list[float],
+                   seed: int, slo_tpot_ms: float | None, slo_ttft_ms: float | None,
+                   calibration: list[BenchRequest], say=print, warm_up: list[BenchRequest] = ()) -> CompareResult:
+    """``--repeat``: every contender started at once; ``rounds[r][i]`` run at ``rates[i]`` by each
+    contender in turn, round after round (the order reversed every other round), arrivals drawn
+    from ``seed + ROUND_SEED_STRIDE * r``. The first contender calibrates the TPOT SLO when none
+    is given."""
+    import contextlib
+
+    runs: dict[str, dict[float, dict]] = {c.name: {} for c in contenders}
+    by_round: dict[str, dict[float, list[dict]]] = {c.name: {rate: [] for rate in rates} for c in contenders}
+    notes: dict[str, list[str]] = {}
+    with contextlib.ExitStack() as stack:
+        started = []
+        for contender in contenders:
+            say(f"== {contender.name}: {contender.description}")
+            base_url = stack.enter_context(contender.launch())
+            ignore_eos = _started(contender, base_url, warm_up)
+            notes[contender.name] = [] if ignore_eos else ["refuses ignore_eos: output lengths vary"]
+            started.append((contender, base_url, ignore_eos))
+        contender, base_url, _ = started[0]
+        unloaded = unloaded_decode_step_ms(base_url, contender.model, calibration)
+        slo_tpot_ms = slo_tpot_ms or 3 * unloaded
+        say(f"unloaded decode step {unloaded:.1f} ms -> TPOT SLO {slo_tpot_ms:.1f} ms")
+        for index, workloads in enumerate(rounds):
+            for rate, requests in zip(rates, workloads, strict=True):
+                for contender, base_url, ignore_eos in (started if index % 2 == 0 else started[::-1]):
+                    summary = _measure(contender, base_url, ignore_eos, rate, requests,
+                                       seed + ROUND_SEED_STRIDE * index, slo_ttft_ms, slo_tpot_ms,
+                                       f"{contender.name} round {index + 1}")
+                    by_round[contender.name][rate].append(summary)
+                    runs[contender.name].setdefault(rate, summary)
+                    say(_line(f"{contender.name} #{index + 1}", rate, summary))
+    return CompareResult(slo_tpot_ms, slo_ttft_ms, unloaded, runs, {c.name: c.description for c in contenders}, notes,
+                         {c.name: _command_line(c) for c in contenders}, rounds=by_round)
+
+
+# what rounds_table reports for each round: (column, the figure from a summary)
+ROUND_FIGURES = (("TTFT p90", lambda s: s["ttft_ms"]["p90"]), ("TPOT p90", lambda s: s["tpot_ms"]["p90"]),
+                 ("ITL p99", lambda s: s["itl_ms"]["p99"]))
+
+
+def _spread(values: list[float | None], spec: str) -> str:
+    """``median (min-max)`` of the values present, or ``-``."""
+    present = [v for v in values if v is not None]
+    if not present:
+        return "-"
+    middle = format(statistics.median(present), spec)
+    return middle if len(present) == 1 else f"{middle} ({min(present):{spec}}-{max(present):{spec}})"
+
+
+def rounds_table(result: CompareResult, reference: str) -> str:
+    """Markdown for ``--repeat``: per contender and rate, the SLOs met in each round, and for each
+    figure its median (range) in ms over the rounds and, beside a reference, the median (range)
+    of its ratio to the reference's figure in the same round."""
+    heads = " | ".join(f"{name} (ms) | vs {reference}" for name, _ in ROUND_FIGURES)
+    lines = [f"| server | rate (req/s) | SLOs met, each round | {heads} |",
+             "|---|---|---|" + "---|---|" * len(ROUND_FIGURES)]
+    for name, by_rate in result.rounds.items():
+        for rate, summaries in by_rate.items():
+            base = result.rounds.get(reference, {}).get(rate, [])
+            cells = []
+            for _, figure in ROUND_FIGURES:
+                cells.append(_spread([figure(s) for s in summaries], ".0f"))
+                ratios = [figure(s) / figure(b) if figure(s) is not None and figure(b) else None
+                          for s, b in zip(summaries, base)] if name != reference else []
+                cells.append(_spread(ratios, ".2f") + ("x" if any(r is not None for r in ratios) else ""))
+            met = ", ".join(_met(s) for s in summaries)
+            lines.append(f"| {name} | {rate:g} | {met} | {' | '.join(cells)} |")
+    count = max((len(summaries) for by_rate in result.rounds.values() for summaries in by_rate.values()), default=0)
+    lines.append(f"\n{count} rounds, each on requests of its own; a ratio compares two servers within one round (the "
+                 "same requests, run one after the other)")
+    return "\n".join(lines)
 
 
 def _capacity(found: Capacity) -> str:
@@ -515,6 +618,10 @@ def add_compare_args(compare, default_model: str) -> None:
     compare.add_argument("--num-prompts", type=int, default=48, help="requests per rate")
     compare.add_argument("--warm-up", type=int, default=4, help="unmeasured requests each contender gets first")
     compare.add_argument("--sweep", default="0.1,0.2,0.4", help="comma-separated request rates (Poisson)")
+    compare.add_argument("--repeat", type=int, default=1,
+                         help="run the --sweep this many rounds, each on requests and arrivals of its own seed, with "
+                              "every contender started at once and taking turns rate by rate; the table gives each "
+                              "figure's median and range, and its ratio to the first contender's within each round")
     compare.add_argument("--capacity", action="store_true",
                          help="search each contender's capacity (the highest rate at which 90%% of requests meet "
                               "both SLOs, to within 10%%) instead of running --sweep")
@@ -575,6 +682,9 @@ def run_compare(args) -> int:
         n for n in CONTENDERS if n != "vllm" or args.vllm_python)).split(",") if n.strip()]
     if args.no_transformers:
         names = [n for n in names if n != "transformers"]
+    if args.repeat < 1 or (args.repeat > 1 and (args.capacity or args.traffic_mix)):
+        raise SystemExit("--repeat takes a count of at least 1, and is for a fixed --sweep (not --capacity or "
+                         "--traffic-mix)")
     if args.traffic_mix:
         from bench.traffic_compare import run_traffic_compare
 
@@ -587,6 +697,14 @@ def run_compare(args) -> int:
                                     waits, policies)
     calibration = make_dataset(args.dataset, 3, args.seed + 1000, spec)  # prompts of their own, same shape
     warm_up = make_dataset(args.dataset, args.warm_up, args.seed + 2000, spec)
+    if args.repeat > 1:
+        rounds = [workloads] + [[make_dataset(args.dataset, args.num_prompts, args.seed + ROUND_SEED_STRIDE * r + i,
+                                              spec) for i in range(len(rates))] for r in range(1, args.repeat)]
+        result = compare_rounds(contenders, rounds, rates, args.seed, args.slo_tpot_ms, args.slo_ttft_ms, calibration,
+                                warm_up=warm_up)
+        _print_compare(args, result, contenders[0].name, capacity=False)
+        _save_compare(args, result, rates, capacity=False)
+        return 0
     search = None
     if args.capacity:
         rates, workloads = [], []
@@ -604,12 +722,13 @@ def run_compare(args) -> int:
 def _print_compare(args, result: CompareResult, reference: str, capacity: bool) -> None:
     from bench.machine import describe
 
-    print(f"\n{describe()}\n{args.dataset}, {args.num_prompts} requests per rate (fresh prompts at each rate), "
+    rounds = f" in each of {args.repeat} interleaved rounds" if result.rounds else ""
+    print(f"\n{describe()}\n{args.dataset}, {args.num_prompts} requests per rate{rounds} (fresh prompts at each rate), "
           f"Poisson arrivals, seed {args.seed}; "
           f"TPOT SLO {result.slo_tpot_ms:.1f} ms"
           + ("" if args.slo_tpot_ms else f" (3x the unloaded decode step {result.unloaded_step_ms:.1f} ms)")
           + (f", TTFT SLO {result.slo_ttft_ms:.0f} ms" if result.slo_ttft_ms else ""))
-    print(table(result, reference))
+    print(table(result, reference) if not result.rounds else rounds_table(result, reference))
     if capacity:
         print("\n" + capacity_table(result))
     for name, notes in result.notes.items():
@@ -636,6 +755,7 @@ def _save_compare(args, result: CompareResult, rates: list[float], capacity: boo
         "unloaded_step_ms": result.unloaded_step_ms, "descriptions": result.descriptions, "notes": result.notes,
         "command_lines": result.command_lines, "warm_up_requests": args.warm_up,
         "runs": {name: {str(rate): s for rate, s in by_rate.items()} for name, by_rate in result.runs.items()},
+        "rounds": {name: {str(rate): s for rate, s in by_rate.items()} for name, by_rate in result.rounds.items()},
         "capacities": {name: {"rate": c.rate, "lowest_failing_rate": c.ceiling, "tried": c.tried}
                        for name, c in result.capacities.items()},
     }, indent=2))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import statistics
 import threading
 import time
 
@@ -218,6 +219,67 @@ def test_compare_calibrates_the_slo_and_ranks_servers(scripted_server):
     assert a["completed"] == b["completed"] == 2 and a["goodput"] > 0 and b["goodput"] > 0
     rendered = table(result, "a")
     assert "| a | 5 | 2/2 |" in rendered and f"| {b['goodput']:.3f} | {b['goodput'] / a['goodput']:.2f}x |" in rendered
+
+
+def test_compare_rounds_interleave_the_contenders_on_requests_of_their_own(scripted_server):
+    """--repeat: both contenders up at once, taking turns rate by rate (the order reversed every
+    other round), each round on its own requests; the table gives each figure's median and
+    range and the ratio to the reference within each round."""
+    from contextlib import contextmanager
+
+    from bench.compare import Contender, compare_rounds, rounds_table
+
+    live: list[str] = []
+
+    def launch(name: str, url: str):
+        @contextmanager
+        def started():
+            live.append(name)
+            try:
+                yield url
+            finally:
+                live.remove(name)
+        return started
+
+    a = Contender("a", "scripted", [], launch("a", scripted_server), "m")
+    b = Contender("b", "scripted, strict", [], launch("b", scripted_server.replace("/v1", "/strict/v1")), "m")
+    rounds = [[[BenchRequest(f"r{r}-x{i}", NUM_TOKENS, -1)] * 2 for i in range(2)] for r in range(3)]
+    said, both_up = [], []
+
+    def say(line: str) -> None:
+        said.append(line)
+        both_up.append(sorted(live))
+
+    RECEIVED.clear()
+    result = compare_rounds([a, b], rounds, [4.0, 8.0], seed=0, slo_tpot_ms=None, slo_ttft_ms=None,
+                            calibration=[BenchRequest("hello", NUM_TOKENS, -1)] * 2, say=say)
+    measured = [line.split(" @ ")[0].strip() for line in said if " req/s: goodput" in line]
+    assert measured == ["a #1", "b #1", "a #1", "b #1", "b #2", "a #2", "b #2", "a #2", "a #3", "b #3", "a #3", "b #3"]
+    assert all(up == ["a", "b"] for up, line in zip(both_up, said) if " req/s: goodput" in line) and live == []
+    prompts = [body["prompt"] for body in RECEIVED if str(body.get("prompt", "")).startswith("r")]  # a's (b keeps none)
+    assert prompts == [f"r{r}-x{i}" for r in range(3) for i in range(2) for _ in range(2)]
+    assert result.slo_tpot_ms == pytest.approx(3 * result.unloaded_step_ms)
+    assert [len(result.rounds[name][rate]) for name in "ab" for rate in (4.0, 8.0)] == [3, 3, 3, 3]
+    assert result.runs["a"][4.0] is result.rounds["a"][4.0][0]
+
+    rendered = rounds_table(result, "a")
+    a_ttft = [s["ttft_ms"]["p90"] for s in result.rounds["a"][8.0]]
+    b_ttft = [s["ttft_ms"]["p90"] for s in result.rounds["b"][8.0]]
+    ratios = sorted(y / x for x, y in zip(a_ttft, b_ttft))
+    row = next(line for line in rendered.splitlines() if line.startswith("| b | 8 |"))
+    assert f"| {statistics.median(b_ttft):.0f} ({min(b_ttft):.0f}-{max(b_ttft):.0f}) |" in row
+    assert f"| {ratios[1]:.2f} ({ratios[0]:.2f}-{ratios[2]:.2f})x |" in row
+    assert "| a | 4 | 2/2, 2/2, 2/2 |" in rendered and "3 rounds" in rendered
+
+
+def test_compare_repeat_flag_is_for_a_fixed_sweep():
+    from bench.compare import run_compare
+    from cluster.cli import build_parser
+
+    assert build_parser().parse_args(["bench", "compare"]).repeat == 1
+    for extra in (["--repeat", "0"], ["--repeat", "2", "--capacity"]):
+        with pytest.raises(SystemExit, match="--repeat"):
+            run_compare(build_parser().parse_args(["bench", "compare", *extra]))
 
 
 def test_transformers_serve_contender_runs_the_workload(smollm_dir):
