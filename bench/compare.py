@@ -621,7 +621,8 @@ def add_compare_args(compare, default_model: str) -> None:
     compare.add_argument("--repeat", type=int, default=1,
                          help="run the --sweep this many rounds, each on requests and arrivals of its own seed, with "
                               "every contender started at once and taking turns rate by rate; the table gives each "
-                              "figure's median and range, and its ratio to the first contender's within each round")
+                              "figure's median and range, and its ratio to vLLM's (else the first contender's) "
+                              "within each round")
     compare.add_argument("--capacity", action="store_true",
                          help="search each contender's capacity (the highest rate at which 90%% of requests meet "
                               "both SLOs, to within 10%%) instead of running --sweep")
@@ -702,7 +703,8 @@ def run_compare(args) -> int:
                                               spec) for i in range(len(rates))] for r in range(1, args.repeat)]
         result = compare_rounds(contenders, rounds, rates, args.seed, args.slo_tpot_ms, args.slo_ttft_ms, calibration,
                                 warm_up=warm_up)
-        _print_compare(args, result, contenders[0].name, capacity=False)
+        names = [c.name for c in contenders]
+        _print_compare(args, result, "vllm" if "vllm" in names else names[0], capacity=False)
         _save_compare(args, result, rates, capacity=False)
         return 0
     search = None
