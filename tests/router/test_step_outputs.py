@@ -286,3 +286,56 @@ def test_a_stream_still_opening_is_waited_for_no_longer_than_the_request_has():
         streams.close_all()
 
     asyncio.run(run())
+
+
+# The same against a live gRPC server holding its Outputs call unopened, in a process of its own
+# (a grpc.aio server and channel on a loop of their own, gone with the process).
+LIVE_BIND = """
+import asyncio, time
+import grpc
+from proto import worker_pb2 as pb, worker_pb2_grpc as pb_grpc
+from proto.rpc import CHANNEL_OPTIONS
+from router import outputs as router_outputs
+
+class Slow(pb_grpc.DecodeWorkerServicer):
+    def __init__(self):
+        self.go = asyncio.Event()
+
+    async def Outputs(self, request, context):
+        await self.go.wait()
+        yield pb.StepOutputs(stream_id="live")
+        await asyncio.Event().wait()  # open until the router closes it
+
+async def run():
+    server, servicer = grpc.aio.server(), Slow()
+    pb_grpc.add_DecodeWorkerServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=CHANNEL_OPTIONS) as channel:
+        stub = pb_grpc.DecodeWorkerStub(channel)
+        streams = router_outputs.OutputStreams(lambda address: stub.Outputs(pb.OutputsRequest()), open_timeout_s=60.0)
+        started = time.monotonic()
+        first = await streams.bind("live", deadline=time.monotonic() + 0.3)
+        waited = time.monotonic() - started
+        servicer.go.set()
+        second = await streams.bind("live", deadline=time.monotonic() + 60.0)
+        print("first", first is None, "waited", round(waited, 3), "second", second and second.stream_id)
+        streams.close_all()
+    await server.stop(None)
+
+asyncio.run(run())
+"""
+
+
+def test_a_worker_that_holds_its_outputs_stream_unopened_costs_a_request_only_its_deadline():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    done = subprocess.run([sys.executable, "-c", LIVE_BIND], capture_output=True, text=True, timeout=120,
+                          cwd=Path(__file__).resolve().parents[2])
+    assert done.returncode == 0, done.stderr
+    words = done.stdout.split()
+    assert words[:2] == ["first", "True"]  # nothing bound within the request's 0.3 s...
+    assert float(words[3]) < 30.0  # ...and it waited about that, not the 60 s open timeout
+    assert words[4:] == ["second", "live"]  # a later request gets the stream once the worker opens it
