@@ -22,9 +22,10 @@ each request then joins the batch with its first token, as one whose KV came fro
 worker does. While the lane is full, the next prompt for it waits at the head of the queue
 rather than stall the streams in a step (and what arrived after it waits too): the streams'
 pace is kept, the prompts queue for one thread, as on a disaggregated pair's prefill worker.
-It waits only while the lane, at its measured ms per token (``backlog_ms``), gets to it within
-the wait bound; a queue that grows faster than the lane's one thread reads it is read in the
-steps instead of growing on its own.
+It waits only while the lane keeps up at its measured ms per token (``backlog_ms``): it gets
+to that prompt, and would read the whole queue, within the wait bound. A queue that grows
+faster than the lane's one thread reads it is read in the steps too, instead of growing on its
+own.
 The lane touches nothing but its own runner (the shared model and KV tensors, read-only but
 for the request's own blocks); the KV manager keeps those blocks pinned so that an abort
 meanwhile cannot hand them to another request before the lane is done writing (a prompt

@@ -161,15 +161,20 @@ class Scheduler:
         return bound is not None and (time.monotonic() - request.arrival_time) * 1000.0 >= bound
 
     def _lane_in_time(self, request: Request) -> bool:
-        """The busy lane, by its measured pace (``PrefillLane.backlog_ms``), gets to ``request``
-        before it has waited ``prefill_lane_max_wait_ms`` since it arrived. When it would not,
-        waiting for the lane only adds that wait to its TTFT (the steps read it at the bound
-        anyway), and a queue that grows faster than the lane's one thread reads it would grow
-        on its own: the steps read it now. True while the lane has not been measured yet."""
+        """The busy lane keeps up, by its measured pace (``PrefillLane.backlog_ms`` and its ms
+        per token): it gets to ``request`` before it has waited ``prefill_lane_max_wait_ms``
+        since it arrived, and it would read everything waiting now within that bound too.
+        Otherwise waiting for the lane only adds to the TTFTs (the steps read each prompt at
+        the bound anyway), and a queue that grows faster than the lane's one thread reads it
+        grows on its own: the steps read the head now, on the threads the lane leaves them.
+        True while the lane has not been measured yet."""
         bound = self.config.prefill_lane_max_wait_ms
         now = time.monotonic()
         backlog = self.lane.backlog_ms(now)
-        return bound is None or backlog is None or (now - request.arrival_time) * 1000.0 + backlog < bound
+        if bound is None or backlog is None:
+            return True
+        queued = sum(r.num_tokens - r.num_computed_tokens for r in self.waiting) * self.lane.ms_per_token
+        return (now - request.arrival_time) * 1000.0 + backlog < bound and backlog + queued < bound
 
     def _lane_hit(self, request: Request) -> list[int] | None:
         """Its prefix-cache hit if ``request`` is one for the lane now, else None: it could go

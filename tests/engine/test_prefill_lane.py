@@ -449,18 +449,19 @@ def test_a_prompt_waits_for_the_busy_lane_only_while_its_measured_backlog_fits_t
         core.add_request(core.make_request("queued", prompts["queued"], GREEDY))
         step()  # in time: queued in the lane behind it
         assert core.lane.pending == ["long", "queued"]
+        core.lane.ms_per_token = 6.0  # 1.2 s for the 200 tokens it holds
+        assert 1000 < core.lane.backlog_ms(time.monotonic()) <= 1200
         core.add_request(core.make_request("late", prompts["late"], GREEDY))
-        step()  # the lane is full and gets to it in time: it waits at the head of the queue
+        step()  # the lane is full, and it would read "late" too within 2 s (1.8): it waits at the head
         assert core.scheduler.requests["late"].num_computed_tokens == 0
-        core.lane.ms_per_token = 15.0  # now 3 s for the 200 tokens it holds: past the bound
+        core.add_request(core.make_request("next", prompts["next"], GREEDY))
+        step()  # 200 tokens queued would take the lane to 2.4 s: the steps read the head now...
+        assert core.scheduler.requests["late"].num_computed_tokens > 0
+        assert core.scheduler.requests["next"].num_computed_tokens == 0  # ...and the next waits (1.8 s again)
+        core.lane.ms_per_token = 15.0  # now 3 s for what it holds alone: past the bound
         assert 2000 < core.lane.backlog_ms(time.monotonic()) <= 3000
         step()  # waiting would cost it 2 s and then the steps: they read it now
-        assert core.scheduler.requests["late"].num_computed_tokens > 0
-        core.add_request(core.make_request("next", prompts["next"], GREEDY))
-        while core.scheduler.requests["late"].num_computed_tokens < 100:
-            step()
-        step()
-        assert core.scheduler.requests["next"].num_computed_tokens > 0  # nor does the next one wait
+        assert core.scheduler.requests["next"].num_computed_tokens > 0
         assert core.lane.pending == ["long", "queued"]
         done = threading.Semaphore(0)
         core.lane.on_done = done.release
