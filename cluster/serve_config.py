@@ -160,7 +160,8 @@ class ServeConfig:
     prefill_lane_max_wait_ms: float | None = flag(
         DEFAULT_PREFILL_LANE_MAX_WAIT_MS, _lane_wait_ms,
         "while the prefill lane is full, the next prompt for it waits for it at most this many ms after its arrival, "
-        f"then is read in the steps beside the streams ('off': it waits for the lane; default "
+        "then is read in the steps beside the streams, and at once where the lane, at its measured pace, would not "
+        f"get through it and the rest of the queue within this bound ('off': it waits for the lane; default "
         f"{DEFAULT_PREFILL_LANE_MAX_WAIT_MS:g}, measured: see README)")
     prefill_lane_policy: str = flag(
         DEFAULT_PREFILL_LANE_POLICY, choices=LANE_POLICIES,

@@ -155,8 +155,8 @@ class SchedulerConfig:
     # a prompt with at least this many tokens to compute, arriving while streams decode, is
     # read on a thread of its own (engine/prefill_lane.py; CPU, two threads or more); None: off
     prefill_lane_min_tokens: int | None = None
-    # a prompt for the busy lane waits for it at most this long, then is read in the steps;
-    # None: as long as it takes
+    # a prompt for the busy lane waits for it at most this long, then is read in the steps (at
+    # once where the lane would not get through it and the queue in time); None: as long as it takes
     prefill_lane_max_wait_ms: float | None = None
     # which prompts the lane takes (LANE_POLICIES): "first", every one long enough;
     # "overflow", only those that find prefill work already under way; "pace", only while
