@@ -36,6 +36,7 @@ says "below" or "at least" where a bound was reached.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import shutil
 import statistics
@@ -368,8 +369,6 @@ def compare_rounds(contenders: list[Contender], rounds: list[list[list[BenchRequ
     contender in turn, round after round (the order reversed every other round), arrivals drawn
     from ``seed + ROUND_SEED_STRIDE * r``. The first contender calibrates the TPOT SLO when none
     is given."""
-    import contextlib
-
     runs: dict[str, dict[float, dict]] = {c.name: {} for c in contenders}
     by_round: dict[str, dict[float, list[dict]]] = {c.name: {rate: [] for rate in rates} for c in contenders}
     notes: dict[str, list[str]] = {}

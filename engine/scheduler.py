@@ -155,26 +155,26 @@ class Scheduler:
         self.waiting_for_remote_kv[request.request_id] = request
         return self._scheduled(request, request.num_prompt_tokens - num_cached)
 
-    def _waited_for_lane(self, request: Request) -> bool:
-        """It has waited ``prefill_lane_max_wait_ms`` since it arrived: the steps read it now."""
-        bound = self.config.prefill_lane_max_wait_ms
-        return bound is not None and (time.monotonic() - request.arrival_time) * 1000.0 >= bound
-
     def _lane_in_time(self, request: Request) -> bool:
-        """The busy lane keeps up, by its measured pace (``PrefillLane.backlog_ms`` and its ms
-        per token): it gets to ``request`` before it has waited ``prefill_lane_max_wait_ms``
-        since it arrived, and it would read everything waiting now within that bound too.
-        Otherwise waiting for the lane only adds to the TTFTs (the steps read each prompt at
-        the bound anyway), and a queue that grows faster than the lane's one thread reads it
-        grows on its own: the steps read the head now, on the threads the lane leaves them.
-        True while the lane has not been measured yet."""
+        """The busy lane keeps up with ``request``: it has waited less than
+        ``prefill_lane_max_wait_ms`` since it arrived, and by the lane's measured pace
+        (``PrefillLane.backlog_ms`` and its ms per token) the lane gets to it within that bound
+        and would read everything waiting now within it too. Otherwise waiting for the lane only
+        adds to the TTFTs (the steps read each prompt at the bound anyway), and a queue that
+        grows faster than the lane's one thread reads it grows on its own: the steps read the
+        head now, on the threads the lane leaves them. Before its first measured prompt only
+        the bound counts."""
         bound = self.config.prefill_lane_max_wait_ms
+        if bound is None:
+            return True
         now = time.monotonic()
         backlog = self.lane.backlog_ms(now)
-        if bound is None or backlog is None:
+        if (now - request.arrival_time) * 1000.0 + (backlog or 0.0) >= bound:
+            return False
+        if backlog is None:
             return True
-        queued = sum(r.num_tokens - r.num_computed_tokens for r in self.waiting) * self.lane.ms_per_token
-        return (now - request.arrival_time) * 1000.0 + backlog < bound and backlog + queued < bound
+        queued = sum(r.num_tokens - r.num_computed_tokens for r in self.waiting)
+        return backlog + queued * self.lane.ms_per_token < bound
 
     def _lane_hit(self, request: Request) -> list[int] | None:
         """Its prefix-cache hit if ``request`` is one for the lane now, else None: it could go
@@ -208,8 +208,7 @@ class Scheduler:
         instead of being read in the steps: it is one for the lane, or, under ``pace``, one the
         lane could read, which the steps would read on the threads the lane leaves them (slowly,
         stalling the streams meanwhile; once the lane is done, the pace decides again)."""
-        if (self.lane is None or not self.lane.busy or self._waited_for_lane(request)
-                or not self._lane_in_time(request)):
+        if self.lane is None or not self.lane.busy or not self._lane_in_time(request):
             return False
         if self.config.prefill_lane_policy == "pace":
             return self._lane_fit(request) is not None
