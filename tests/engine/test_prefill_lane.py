@@ -107,6 +107,16 @@ def wrap_lane(core, before=None):
     return seen
 
 
+def held_lane(core):
+    """The lane made to wait before each prompt until ``release`` is set; returns ``release``,
+    what the lane computed (``wrap_lane``), the tokens each request got, and a step that
+    collects them."""
+    release = threading.Event()
+    seen = wrap_lane(core, lambda: release.wait(60))
+    tokens: dict[str, list[int]] = {}
+    return release, seen, tokens, functools.partial(step_into, core, tokens)
+
+
 @pytest.fixture(scope="module")
 def lane_core(smollm_dir):
     core = build(smollm_dir, LANE_MIN)
@@ -394,11 +404,7 @@ def test_a_lane_prompts_first_token_goes_out_before_the_next_forward(smollm_dir)
 
 def test_a_prompt_waits_for_the_busy_lane_at_most_its_bound_then_the_steps_read_it(tiny_llama_dir):
     core = build(tiny_llama_dir, LANE_MIN, max_model_len=512, prefill_lane_max_wait_ms=300)
-    release = threading.Event()
-    seen = wrap_lane(core, lambda: release.wait(60))
-    tokens: dict[str, list[int]] = {}
-
-    step = functools.partial(step_into, core, tokens)
+    release, seen, tokens, step = held_lane(core)
     try:
         start_streams(core, params=SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True))
         core.add_request(core.make_request("long", long_prompt(14, 100), GREEDY))
@@ -432,12 +438,9 @@ def test_a_prompt_waits_for_the_busy_lane_at_most_its_bound_then_the_steps_read_
 def test_a_prompt_waits_for_the_busy_lane_only_while_its_measured_backlog_fits_the_bound(tiny_llama_dir):
     core = build(tiny_llama_dir, LANE_MIN, max_model_len=512, prefill_lane_policy="first",
                  prefill_lane_max_wait_ms=2000)
-    release = threading.Event()
-    seen = wrap_lane(core, lambda: release.wait(60))
+    release, seen, tokens, step = held_lane(core)
     streams = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
     prompts = {name: long_prompt(60 + index, 100) for index, name in enumerate(("long", "queued", "late", "next"))}
-    tokens: dict[str, list[int]] = {}
-    step = functools.partial(step_into, core, tokens)
     try:
         tokens.update(start_streams(core, params=streams))
         assert core.lane.backlog_ms(time.monotonic()) is None  # nothing measured yet
@@ -481,11 +484,8 @@ def test_a_prompt_waits_for_the_busy_lane_only_while_its_measured_backlog_fits_t
 
 def test_the_lane_measures_its_ms_per_token_on_its_own_threads_alone(tiny_llama_dir):
     core = build(tiny_llama_dir, LANE_MIN, max_model_len=512, prefill_lane_policy="first")
-    release = threading.Event()
+    release, _, tokens, step = held_lane(core)
     release.set()
-    wrap_lane(core, lambda: release.wait(60))
-    tokens: dict[str, list[int]] = {}
-    step = functools.partial(step_into, core, tokens)
     try:
         start_streams(core, params=SamplingParams(temperature=0.0, max_tokens=300, ignore_eos=True))
         core.add_request(core.make_request("narrow", long_prompt(70, 150), GREEDY))
@@ -517,13 +517,9 @@ def test_the_overflow_policy_reads_a_lone_prompt_in_the_steps_and_gives_the_lane
     # prompts of 100 tokens in steps of at most 48: a prompt read in the steps takes several
     core = build(tiny_llama_dir, LANE_MIN, max_model_len=512, prefill_lane_policy="overflow",
                  max_num_batched_tokens=48)
-    release = threading.Event()
-    seen = wrap_lane(core, lambda: release.wait(60))
+    release, seen, tokens, step = held_lane(core)
     streams = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
     prompts = {name: long_prompt(20 + index, 100) for index, name in enumerate(("alone", "second", "third", "fourth"))}
-    tokens: dict[str, list[int]] = {}
-
-    step = functools.partial(step_into, core, tokens)
     try:
         tokens.update(start_streams(core, params=streams))
         core.add_request(core.make_request("alone", prompts["alone"], GREEDY))
@@ -591,12 +587,9 @@ class SetPace:
 
 def test_the_pace_policy_gives_the_lane_a_prompt_only_while_the_streams_are_slower_than_its_bound(tiny_llama_dir):
     core = build(tiny_llama_dir, LANE_MIN, max_model_len=512, prefill_lane_policy="pace", prefill_lane_pace_ms=60.0)
-    release = threading.Event()
-    seen = wrap_lane(core, lambda: release.wait(60))
+    release, seen, tokens, step = held_lane(core)
     streams = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     prompts = {name: long_prompt(50 + index, 100) for index, name in enumerate(("slow", "fast", "unmeasured"))}
-    tokens: dict[str, list[int]] = {}
-    step = functools.partial(step_into, core, tokens)
     pace = SetPace(75.0)
     try:
         tokens.update(start_streams(core, params=streams))
