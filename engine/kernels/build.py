@@ -1,6 +1,9 @@
 """Compile a native CPU kernel on first use (torch's C++ extension builder + ninja) into the
-tandem cache, keyed by this CPU's instruction-set flags; later processes load the cached
-build. A failed build is reported once and the caller keeps its torch fallback.
+tandem cache, in a directory keyed by what the library is made of: this CPU's instruction-set
+flags, the source and the headers beside it, the compiler flags, and the torch and Python
+versions. A later process, or a fresh checkout whose files are all newer than the library
+(ninja would rebuild it), imports the cached library without a build. A failed build is
+reported once and the caller keeps its torch fallback.
 
 Processes that share the cache (workers of one node, pods on one volume) take turns through
 an flock, which the kernel releases when its holder dies. torch's own guard is a ``lock`` file
@@ -15,6 +18,8 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import hashlib
+import importlib.util
+import platform
 import shutil
 import sys
 import time
@@ -34,10 +39,17 @@ def cpu_flags() -> set[str]:
     return set(line.split(":", 1)[-1].split())
 
 
-def build_directory(name: str) -> Path:
-    """Where ``name`` is built for this CPU (its instruction-set flags are part of the name)."""
-    key = hashlib.blake2b(" ".join(sorted(cpu_flags())).encode(), digest_size=6).hexdigest()
-    return envs.cache_dir() / "torch_extensions" / f"{name}-{key}"
+def build_directory(name: str, source: Path, extra_cflags: list[str]) -> Path:
+    """Where ``name`` is built from ``source`` with ``extra_cflags`` for this CPU, torch and
+    Python: a change to any of them (or to a header in the source's directory) is a new one."""
+    import torch
+
+    key = hashlib.blake2b(digest_size=8)
+    for part in (" ".join(sorted(cpu_flags())), " ".join(extra_cflags), torch.__version__, platform.python_version()):
+        key.update(part.encode() + b"\0")
+    for path in [source, *sorted(source.parent.glob("*.h"))]:
+        key.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    return envs.cache_dir() / "torch_extensions" / f"{name}-{key.hexdigest()}"
 
 
 def build(name: str, source: Path, extra_cflags: list[str]):
@@ -49,13 +61,16 @@ def build(name: str, source: Path, extra_cflags: list[str]):
         return _LOADED[name]
     from torch.utils.cpp_extension import load as load_extension
 
-    build_dir = build_directory(name)
-    build_dir.mkdir(parents=True, exist_ok=True)
     module = None
     try:
+        build_dir = build_directory(name, source, extra_cflags)
+        build_dir.mkdir(parents=True, exist_ok=True)
         with build_lock(build_dir, envs.kernel_build_timeout_s()):
             library, stamp = build_dir / f"{name}.so", build_dir / "tandem.ok"
-            if library.exists() and (not stamp.exists() or stamp.read_text() != _identity(library)):
+            if library.exists() and stamp.exists() and stamp.read_text() == _identity(library):
+                _LOADED[name] = module = _import(name, library)  # known to have loaded: no ninja
+                return module
+            if library.exists():
                 # Not known to have loaded: a linker killed mid-write leaves a library that ninja
                 # takes as current and whose loading crashes the process (SIGBUS), not raises.
                 _empty(build_dir)
@@ -102,6 +117,15 @@ def build_lock(build_dir: Path, timeout_s: float):
             yield
         finally:
             fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _import(name: str, library: Path):
+    import torch  # noqa: F401  (the library links against torch's, which must be loaded first)
+
+    spec = importlib.util.spec_from_file_location(name, library)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def _identity(library: Path) -> str:

@@ -2,8 +2,7 @@
 // cost dominates on decode-sized tensors. Portable C++ built with -march=native (the compiler
 // vectorises the inner loops for what this CPU has: AVX2, AVX-512); float32, bfloat16 and
 // float16 through one template; all arithmetic in float32.
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "torch_ops.h"
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 #include <algorithm>
@@ -32,7 +31,7 @@ inline float dot_f32(const float* a, const float* b, int64_t n) {
   return total;
 }
 
-void check_rows(const torch::Tensor& t, const char* name) {
+void check_rows(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.dim() == 2 && t.stride(1) == 1, name, ": expected [rows, features] with unit stride");
 }
 
@@ -143,8 +142,8 @@ constexpr int64_t kChunk = 512;
 
 // residual += delta (rounded to the model dtype, as an eager add would), then
 // out = rms_norm(residual) * weight. With delta None: out = rms_norm(residual), residual kept.
-torch::Tensor add_rms_norm_(torch::Tensor residual, c10::optional<torch::Tensor> delta,
-                            torch::Tensor weight, double eps) {
+at::Tensor add_rms_norm_(at::Tensor residual, c10::optional<at::Tensor> delta,
+                            at::Tensor weight, double eps) {
   check_rows(residual, "add_rms_norm_");
   const int64_t rows = residual.size(0), hidden = residual.size(1);
   TORCH_CHECK(weight.numel() == hidden && weight.is_contiguous() && weight.scalar_type() == residual.scalar_type(),
@@ -154,7 +153,7 @@ torch::Tensor add_rms_norm_(torch::Tensor residual, c10::optional<torch::Tensor>
     TORCH_CHECK(delta->sizes() == residual.sizes() && delta->scalar_type() == residual.scalar_type(),
                 "add_rms_norm_: delta must match the residual");
   }
-  auto out = torch::empty({rows, hidden}, residual.options());
+  auto out = at::empty({rows, hidden}, residual.options());
   DISPATCH(residual.scalar_type(), "add_rms_norm_", [&] {
     scalar_t* res = residual.data_ptr<scalar_t>();
     const scalar_t* add = delta.has_value() ? delta->data_ptr<scalar_t>() : nullptr;
@@ -185,11 +184,11 @@ torch::Tensor add_rms_norm_(torch::Tensor residual, c10::optional<torch::Tensor>
 }
 
 // gate_up: [rows, 2 * I] (gate then up) -> silu(gate) * up: [rows, I]
-torch::Tensor silu_mul(torch::Tensor gate_up) {
+at::Tensor silu_mul(at::Tensor gate_up) {
   check_rows(gate_up, "silu_mul");
   TORCH_CHECK(gate_up.size(1) % 2 == 0, "silu_mul: the last dimension must be even");
   const int64_t rows = gate_up.size(0), inter = gate_up.size(1) / 2;
-  auto out = torch::empty({rows, inter}, gate_up.options());
+  auto out = at::empty({rows, inter}, gate_up.options());
   DISPATCH(gate_up.scalar_type(), "silu_mul", [&] {
     const scalar_t* in = gate_up.data_ptr<scalar_t>();
     scalar_t* o = out.data_ptr<scalar_t>();
@@ -212,7 +211,7 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
 
 // In place: rotate heads [0, num_heads) of x [tokens, heads, head_dim] (interleaved pairs
 // (x_2j, x_2j+1)) by the angles of each token's position: cos/sin [max_pos, head_dim / 2].
-void rope_(torch::Tensor x, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin, int64_t num_heads) {
+void rope_(at::Tensor x, at::Tensor positions, at::Tensor cos, at::Tensor sin, int64_t num_heads) {
   TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1, "rope_: x must be [tokens, heads, head_dim] with unit stride");
   TORCH_CHECK(positions.scalar_type() == at::kLong && positions.numel() == x.size(0), "rope_: int64 positions [tokens]");
   TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
@@ -685,8 +684,8 @@ bool attend_bf16(const scalar_t* query, int64_t q_head, int64_t heads, int64_t h
 // online softmax (head_dim 64 or 128, group 1-8 and blocks of at most 32 slots through
 // attend_split_fixed, other shapes through attend_split; bfloat16 on CPUs with AVX512_BF16
 // through attend_split_bf16); the splits of a (sequence, KV head) are then merged in order.
-torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor kv_cache, torch::Tensor block_tables,
-                                     torch::Tensor seq_lens, double scale) {
+at::Tensor paged_decode_attention(at::Tensor query, at::Tensor kv_cache, at::Tensor block_tables,
+                                     at::Tensor seq_lens, double scale) {
   TORCH_CHECK(query.dim() == 3 && query.stride(2) == 1, "paged_decode_attention: query [n, heads, head_dim]");
   TORCH_CHECK(kv_cache.dim() == 4 && kv_cache.is_contiguous(), "paged_decode_attention: contiguous kv_cache");
   TORCH_CHECK(kv_cache.scalar_type() == query.scalar_type(), "paged_decode_attention: dtype mismatch");
@@ -714,7 +713,7 @@ torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor kv_cache
   const int64_t head_part = group * (head_dim + 2);  // one (task, KV head)'s partial result
   const int64_t task_part = kv_heads * head_part;     // one task's: every KV head of its sequence
   std::vector<float> parts(first_task[n] * task_part);
-  auto out = torch::empty({n, heads, head_dim}, query.options());
+  auto out = at::empty({n, heads, head_dim}, query.options());
   DISPATCH(query.scalar_type(), "paged_decode_attention", [&] {
     const scalar_t* q = query.data_ptr<scalar_t>();
     const scalar_t* cache = kv_cache.data_ptr<scalar_t>();
@@ -781,7 +780,7 @@ torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor kv_cache
 // y = x W^T (+ b) in float32 for a few rows of x (decode batches): each weight row is read from
 // memory once and dotted with every row of x while it sits in L1. BLAS kernels treat a
 // handful of rows as that many matrix-vector products and stream the weight once per row.
-torch::Tensor skinny_linear_f32(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias) {
+at::Tensor skinny_linear_f32(at::Tensor x, at::Tensor weight, c10::optional<at::Tensor> bias) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat,
               "skinny_linear_f32: contiguous float32 x [rows, in]");
   TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous() && weight.scalar_type() == at::kFloat &&
@@ -795,7 +794,7 @@ torch::Tensor skinny_linear_f32(torch::Tensor x, torch::Tensor weight, c10::opti
                 "skinny_linear_f32: float32 bias [out]");
     b = bias->data_ptr<float>();
   }
-  auto out = torch::empty({rows, out_features}, x.options());
+  auto out = at::empty({rows, out_features}, x.options());
   const float* xp = x.data_ptr<float>();
   const float* wp = weight.data_ptr<float>();
   float* op = out.data_ptr<float>();

@@ -6,8 +6,7 @@
 // speed: each thread takes a range of rows, loads 32 bf16 weights at a time and multiplies
 // them with every input row using AVX-512 BF16 dot products (16 fp32 accumulators per input
 // row, reduced at the end). Inputs are bf16 already; accumulation is fp32.
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "torch_ops.h"
 #include <immintrin.h>
 
 namespace {
@@ -80,7 +79,7 @@ void dispatch_batch(int64_t B, const at::BFloat16* xp, const at::BFloat16* wp, c
 
 }  // namespace
 
-torch::Tensor gemv_bf16(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias, bool float_out) {
+at::Tensor gemv_bf16(at::Tensor x, at::Tensor w, c10::optional<at::Tensor> bias, bool float_out) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2, "gemv_bf16: x [B, K] and w [N, K]");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16, "gemv_bf16: bfloat16 only");
   TORCH_CHECK(x.size(1) == w.size(1), "gemv_bf16: K mismatch ", x.size(1), " vs ", w.size(1));
@@ -96,11 +95,11 @@ torch::Tensor gemv_bf16(torch::Tensor x, torch::Tensor w, c10::optional<torch::T
   auto* xp = x.data_ptr<at::BFloat16>();
   auto* wp = w.data_ptr<at::BFloat16>();
   if (float_out) {
-    auto y = torch::empty({B, N}, x.options().dtype(at::kFloat));
+    auto y = at::empty({B, N}, x.options().dtype(at::kFloat));
     dispatch_batch<float>(B, xp, wp, bias_ptr, y.data_ptr<float>(), K, N);
     return y;
   }
-  auto y = torch::empty({B, N}, x.options());
+  auto y = at::empty({B, N}, x.options());
   dispatch_batch<at::BFloat16>(B, xp, wp, bias_ptr, y.data_ptr<at::BFloat16>(), K, N);
   return y;
 }

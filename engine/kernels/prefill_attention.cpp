@@ -17,8 +17,7 @@
 // group in it (16 * G score rows sharing each key tile). Tasks are ordered so that each
 // contiguous half of them (what a thread of at::parallel_for gets) holds as many long rows
 // (late positions) as short ones.
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "torch_ops.h"
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -231,7 +230,7 @@ bool available() {
 // positions [seq_len - q_len, seq_len); kv_cache [blocks, block_size, 2 * kv_heads, head_dim]
 // bf16, holding the chunk's own keys and values already; block_table [>= ceil(seq_len /
 // block_size)] int64. Returns [q_len, heads, head_dim] bf16.
-torch::Tensor paged_prefill_attention(torch::Tensor query, torch::Tensor kv_cache, torch::Tensor block_table,
+at::Tensor paged_prefill_attention(at::Tensor query, at::Tensor kv_cache, at::Tensor block_table,
                                       int64_t seq_len, double scale) {
   TORCH_CHECK(available(), "paged_prefill_attention: built without AVX512_BF16");
   TORCH_CHECK(query.dim() == 3 && query.stride(2) == 1 && query.scalar_type() == at::kBFloat16,
@@ -248,7 +247,7 @@ torch::Tensor paged_prefill_attention(torch::Tensor query, torch::Tensor kv_cach
   const int64_t* table = block_table.data_ptr<int64_t>();
   for (int64_t b = 0; b < (seq_len + block_size - 1) / block_size; ++b)
     TORCH_CHECK(table[b] >= 0 && table[b] < num_blocks, "paged_prefill_attention: block id ", table[b], " out of range");
-  auto out = torch::empty({q_len, heads, head_dim}, query.options());
+  auto out = at::empty({q_len, heads, head_dim}, query.options());
   bool done = false;
 #if defined(__AVX512BF16__)
   const auto* q = reinterpret_cast<const uint16_t*>(query.data_ptr<at::BFloat16>());

@@ -1,7 +1,9 @@
 """The native-kernel cache survives processes that die in it: a ``lock`` file that torch's
 builder leaves behind, a library cut off mid-write, and a holder killed while it builds; a
-live holder is waited for only until the deadline. Each check loads a small pybind11 module
-in a fresh process (as a new worker would) from a private cache directory."""
+live holder is waited for only until the deadline. A library is built once for what it is made
+of: a fresh checkout (newer files) imports it, a changed source or header builds anew. Each
+check loads a small pybind11 module in a fresh process (as a new worker would) from a private
+cache directory."""
 
 from __future__ import annotations
 
@@ -21,7 +23,8 @@ from engine.kernels import build as kernel_build
 NAME = "tandem_test_answer"
 SOURCE = """
 #include <pybind11/pybind11.h>
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("answer", []() { return 42; }); }
+#include "answer.h"
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("answer", []() { return ANSWER; }); }
 """
 LOAD = textwrap.dedent(f"""
     import sys
@@ -43,6 +46,7 @@ def built(tmp_path_factory):
     root = tmp_path_factory.mktemp("kernel-cache")
     source = root / "answer.cpp"
     source.write_text(SOURCE)
+    (root / "answer.h").write_text("#define ANSWER 42\n")
     cache = root / "cache"
     done = load_in_new_process(cache, source)
     assert "answer 42" in done.stdout, done.stderr
@@ -106,7 +110,7 @@ def test_the_wait_for_a_live_holder_has_a_deadline(tmp_path, built, monkeypatch)
     _, source, _ = built
     cache = tmp_path / "cache"
     monkeypatch.setenv("TANDEM_CACHE_DIR", str(cache))
-    key_dir = kernel_build.build_directory(NAME)
+    key_dir = kernel_build.build_directory(NAME, source, ["-O0"])
     key_dir.mkdir(parents=True)
     with open(key_dir / "tandem.flock", "a+") as handle:  # another process building, as far as flock tells
         fcntl.flock(handle, fcntl.LOCK_EX)
@@ -118,3 +122,32 @@ def test_the_wait_for_a_live_holder_has_a_deadline(tmp_path, built, monkeypatch)
     assert took < 30
     assert not (key_dir / f"{NAME}.so").exists()  # it did not build behind the holder's back
 
+
+
+def test_a_fresh_checkout_imports_the_library_built_from_the_same_files(tmp_path, built):
+    """A clone's files are all newer than the cached library, which ninja would rebuild; the
+    same bytes import it as it is. A changed header builds in a directory of its own."""
+    _, built_source, _ = built
+    cache = tmp_path / "cache"
+    checkout = tmp_path / "checkout"
+    checkout.mkdir()
+    source = checkout / "answer.cpp"
+    source.write_text(SOURCE)
+    (checkout / "answer.h").write_text("#define ANSWER 42\n")
+    assert "answer 42" in load_in_new_process(cache, source).stdout
+    (first,) = (cache / "torch_extensions").iterdir()
+    library = first / f"{NAME}.so"
+    built_at = library.stat().st_mtime_ns
+    outputs = {path.name: path.stat().st_mtime_ns for path in first.iterdir()}
+    later = time.time() + 60
+    for path in (source, checkout / "answer.h"):
+        os.utime(path, (later, later))  # as a fresh clone: newer than every build output
+    again = load_in_new_process(cache, source)
+    assert "answer 42" in again.stdout, again.stderr
+    assert {path.name: path.stat().st_mtime_ns for path in first.iterdir()} == outputs  # nothing compiled
+
+    (checkout / "answer.h").write_text("#define ANSWER 43\n")
+    changed = load_in_new_process(cache, source)
+    assert "answer 43" in changed.stdout, changed.stderr
+    assert len(list((cache / "torch_extensions").iterdir())) == 2
+    assert library.stat().st_mtime_ns == built_at
