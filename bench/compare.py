@@ -41,7 +41,7 @@ import os
 import shutil
 import statistics
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -219,23 +219,36 @@ class CapacityBounds:
 
 def find_capacity(attainment: Callable[[float], float], bounds: CapacityBounds = CapacityBounds()) -> Capacity:
     """The highest rate whose ``attainment(rate)`` is at least ``bounds.target``, to within
-    ``bounds.step`` (the ratio of the lowest failing to the highest passing rate). Doubles (or
-    halves) from ``bounds.start`` until the answer changes, then bisects in log space."""
+    ``bounds.step`` (the ratio of the lowest failing to the highest passing rate): the rates
+    ``capacity_search`` picks, each measured as it asks."""
+    search = capacity_search(bounds)
+    rate = next(search)
+    while True:
+        try:
+            rate = search.send(attainment(rate))
+        except StopIteration as done:
+            return done.value
+
+
+def capacity_search(bounds: CapacityBounds = CapacityBounds()) -> Generator[float, float, Capacity]:
+    """A capacity search one rate at a time: it yields the next rate to try and is sent that
+    rate's share of requests within the SLOs, and returns the Capacity. Doubles (or halves) from
+    ``bounds.start`` until the answer changes, then bisects in log space. As a generator, several
+    searches can take turns (``compare_capacities``)."""
     target, step, min_rate, max_rate = bounds.target, bounds.step, bounds.min_rate, bounds.max_rate
     tried: list[tuple[float, float]] = []
 
-    def passes(rate: float) -> bool:
-        share = attainment(rate)
+    def passes(rate: float, share: float) -> bool:
         tried.append((rate, share))
         return share >= target
 
     lo = hi = None
     rate = bounds.start
-    if passes(rate):
+    if passes(rate, (yield rate)):
         lo = rate
         while hi is None and rate < max_rate:
             rate = min(rate * 2, max_rate)
-            if passes(rate):
+            if passes(rate, (yield rate)):
                 lo = rate
             else:
                 hi = rate
@@ -243,13 +256,13 @@ def find_capacity(attainment: Callable[[float], float], bounds: CapacityBounds =
         hi = rate
         while lo is None and rate > min_rate:
             rate = max(rate / 2, min_rate)
-            if passes(rate):
+            if passes(rate, (yield rate)):
                 lo = rate
             else:
                 hi = rate
     while lo is not None and hi is not None and hi / lo > step:
         mid = (lo * hi) ** 0.5
-        if passes(mid):
+        if passes(mid, (yield mid)):
             lo = mid
         else:
             hi = mid
@@ -362,15 +375,10 @@ def _measure(contender: Contender, base_url: str, ignore_eos: bool, rate: float,
 ROUND_SEED_STRIDE = 10_007
 
 
-def compare_rounds(contenders: list[Contender], rounds: list[list[list[BenchRequest]]], rates: list[float],
-                   seed: int, slo_tpot_ms: float | None, slo_ttft_ms: float | None,
-                   calibration: list[BenchRequest], say=print, warm_up: list[BenchRequest] = ()) -> CompareResult:
-    """``--repeat``: every contender started at once; ``rounds[r][i]`` run at ``rates[i]`` by each
-    contender in turn, round after round (the order reversed every other round), arrivals drawn
-    from ``seed + ROUND_SEED_STRIDE * r``. The first contender calibrates the TPOT SLO when none
-    is given."""
-    runs: dict[str, dict[float, dict]] = {c.name: {} for c in contenders}
-    by_round: dict[str, dict[float, list[dict]]] = {c.name: {rate: [] for rate in rates} for c in contenders}
+@contextlib.contextmanager
+def _all_started(contenders: list[Contender], warm_up: list[BenchRequest], say):
+    """Every contender started and warmed up at once, for runs that take turns: yields
+    [(contender, base_url, honours ignore_eos)] and each one's notes."""
     notes: dict[str, list[str]] = {}
     with contextlib.ExitStack() as stack:
         started = []
@@ -380,10 +388,29 @@ def compare_rounds(contenders: list[Contender], rounds: list[list[list[BenchRequ
             ignore_eos = _started(contender, base_url, warm_up)
             notes[contender.name] = [] if ignore_eos else ["refuses ignore_eos: output lengths vary"]
             started.append((contender, base_url, ignore_eos))
-        contender, base_url, _ = started[0]
-        unloaded = unloaded_decode_step_ms(base_url, contender.model, calibration)
-        slo_tpot_ms = slo_tpot_ms or 3 * unloaded
-        say(f"unloaded decode step {unloaded:.1f} ms -> TPOT SLO {slo_tpot_ms:.1f} ms")
+        yield started, notes
+
+
+def _calibrated(started, calibration: list[BenchRequest], slo_tpot_ms: float | None, say) -> tuple[float, float]:
+    """The first contender's unloaded decode step, and the TPOT SLO (3x that when none is given)."""
+    contender, base_url, _ = started[0]
+    unloaded = unloaded_decode_step_ms(base_url, contender.model, calibration)
+    slo_tpot_ms = slo_tpot_ms or 3 * unloaded
+    say(f"unloaded decode step {unloaded:.1f} ms -> TPOT SLO {slo_tpot_ms:.1f} ms")
+    return unloaded, slo_tpot_ms
+
+
+def compare_rounds(contenders: list[Contender], rounds: list[list[list[BenchRequest]]], rates: list[float],
+                   seed: int, slo_tpot_ms: float | None, slo_ttft_ms: float | None,
+                   calibration: list[BenchRequest], say=print, warm_up: list[BenchRequest] = ()) -> CompareResult:
+    """``--repeat``: every contender started at once; ``rounds[r][i]`` run at ``rates[i]`` by each
+    contender in turn, round after round (the order reversed every other round), arrivals drawn
+    from ``seed + ROUND_SEED_STRIDE * r``. The first contender calibrates the TPOT SLO when none
+    is given."""
+    runs: dict[str, dict[float, dict]] = {c.name: {} for c in contenders}
+    by_round: dict[str, dict[float, list[dict]]] = {c.name: {rate: [] for rate in rates} for c in contenders}
+    with _all_started(contenders, warm_up, say) as (started, notes):
+        unloaded, slo_tpot_ms = _calibrated(started, calibration, slo_tpot_ms, say)
         for index, workloads in enumerate(rounds):
             for rate, requests in zip(rates, workloads, strict=True):
                 for contender, base_url, ignore_eos in (started if index % 2 == 0 else started[::-1]):
@@ -395,6 +422,41 @@ def compare_rounds(contenders: list[Contender], rounds: list[list[list[BenchRequ
                     say(_line(f"{contender.name} #{index + 1}", rate, summary))
     return CompareResult(slo_tpot_ms, slo_ttft_ms, unloaded, runs, {c.name: c.description for c in contenders}, notes,
                          {c.name: _command_line(c) for c in contenders}, rounds=by_round)
+
+
+def compare_capacities(contenders: list[Contender], capacity: CapacitySearch, seed: int, slo_tpot_ms: float | None,
+                       slo_ttft_ms: float | None, calibration: list[BenchRequest], say=print,
+                       warm_up: list[BenchRequest] = ()) -> CompareResult:
+    """``--capacity --interleave``: every contender started at once, each with a search of its
+    own (``capacity_search``), and the searches take turns one rate at a time (in reverse order
+    every other turn), so that a host whose speed drifts over the run slows every contender's
+    search alike instead of the one whose turn it was. A contender whose search is done sits
+    out. A rate's requests are the same for every contender that tries it."""
+    runs: dict[str, dict[float, dict]] = {c.name: {} for c in contenders}
+    capacities: dict[str, Capacity] = {}
+    with _all_started(contenders, warm_up, say) as (started, notes):
+        unloaded, slo_tpot_ms = _calibrated(started, calibration, slo_tpot_ms, say)
+        searches = {c.name: capacity_search(capacity.bounds) for c in contenders}
+        pending = {name: next(search) for name, search in searches.items()}
+        turn = 0
+        while pending:
+            for contender, base_url, ignore_eos in (started if turn % 2 == 0 else started[::-1]):
+                rate = pending.get(contender.name)
+                if rate is None:
+                    continue
+                summary = _measure(contender, base_url, ignore_eos, rate, capacity.workload(rate), seed, slo_ttft_ms,
+                                   slo_tpot_ms, f"{contender.name} turn {turn + 1}")
+                runs[contender.name][rate] = summary
+                say(_line(f"{contender.name} #{turn + 1}", rate, summary))
+                try:
+                    pending[contender.name] = searches[contender.name].send(summary["slo_attainment"])
+                except StopIteration as done:
+                    capacities[contender.name] = done.value
+                    del pending[contender.name]
+                    say(f"{contender.name}: capacity {_capacity(done.value)}")
+            turn += 1
+    return CompareResult(slo_tpot_ms, slo_ttft_ms, unloaded, runs, {c.name: c.description for c in contenders}, notes,
+                         {c.name: _command_line(c) for c in contenders}, capacities, capacity.bounds)
 
 
 # what rounds_table reports for each round: (column, the figure from a summary)
@@ -639,6 +701,9 @@ def add_compare_args(compare, default_model: str) -> None:
                          help="capacity search: at least this many seconds of arrivals per rate (more requests than "
                               "--num-prompts at high rates: a steady load rather than a burst; default 0: "
                               "--num-prompts only)")
+    compare.add_argument("--interleave", action="store_true",
+                         help="capacity search: start every contender at once and let their searches take turns "
+                              "rate by rate (for a host whose speed drifts; default: one contender after another)")
     compare.add_argument("--seed", type=int, default=0)
     compare.add_argument("--slo-tpot-ms", type=float, default=None, help="default: 3x the unloaded decode step")
     compare.add_argument("--slo-ttft-ms", type=float, default=None)
@@ -685,6 +750,8 @@ def run_compare(args) -> int:
     if args.repeat < 1 or (args.repeat > 1 and (args.capacity or args.traffic_mix)):
         raise SystemExit("--repeat takes a count of at least 1, and is for a fixed --sweep (not --capacity or "
                          "--traffic-mix)")
+    if args.interleave and not args.capacity:
+        raise SystemExit("--interleave is for --capacity (a fixed --sweep interleaves with --repeat)")
     if args.traffic_mix:
         from bench.traffic_compare import run_traffic_compare
 
@@ -713,8 +780,12 @@ def run_compare(args) -> int:
                                 max_rate=args.capacity_max)
         search = CapacitySearch(capacity_workload(args.dataset, args.num_prompts, args.capacity_duration, args.seed,
                                                   spec), bounds)
-    result = compare(contenders, workloads, rates, args.seed, args.slo_tpot_ms, args.slo_ttft_ms, calibration,
-                     warm_up=warm_up, capacity=search)
+    if search is not None and args.interleave:
+        result = compare_capacities(contenders, search, args.seed, args.slo_tpot_ms, args.slo_ttft_ms, calibration,
+                                    warm_up=warm_up)
+    else:
+        result = compare(contenders, workloads, rates, args.seed, args.slo_tpot_ms, args.slo_ttft_ms, calibration,
+                         warm_up=warm_up, capacity=search)
     _print_compare(args, result, contenders[0].name, capacity=search is not None)
     _save_compare(args, result, rates, capacity=search is not None)
     return 0
@@ -724,6 +795,7 @@ def _print_compare(args, result: CompareResult, reference: str, capacity: bool) 
     from bench.machine import describe
 
     rounds = f" in each of {args.repeat} interleaved rounds" if result.rounds else ""
+    rounds += ", the contenders' capacity searches taking turns rate by rate" if capacity and args.interleave else ""
     print(f"\n{describe()}\n{args.dataset}, {args.num_prompts} requests per rate{rounds} (fresh prompts at each rate), "
           f"Poisson arrivals, seed {args.seed}; "
           f"TPOT SLO {result.slo_tpot_ms:.1f} ms"
@@ -755,6 +827,7 @@ def _save_compare(args, result: CompareResult, rates: list[float], capacity: boo
         "slo_tpot_ms": result.slo_tpot_ms, "slo_ttft_ms": result.slo_ttft_ms,
         "unloaded_step_ms": result.unloaded_step_ms, "descriptions": result.descriptions, "notes": result.notes,
         "command_lines": result.command_lines, "warm_up_requests": args.warm_up,
+        "interleaved": bool(result.rounds) or bool(capacity and args.interleave),
         "runs": {name: {str(rate): s for rate, s in by_rate.items()} for name, by_rate in result.runs.items()},
         "rounds": {name: {str(rate): s for rate, s in by_rate.items()} for name, by_rate in result.rounds.items()},
         "capacities": {name: {"rate": c.rate, "lowest_failing_rate": c.ceiling, "tried": c.tried}

@@ -272,6 +272,59 @@ def test_compare_rounds_interleave_the_contenders_on_requests_of_their_own(scrip
     assert "| a | 4 | 2/2, 2/2 |" in rendered and "2 rounds" in rendered
 
 
+def test_compare_capacities_take_turns_rate_by_rate(scripted_server, monkeypatch):
+    """--capacity --interleave: both contenders up at once, each with a search of its own, one
+    rate at a time in turn (reversed every other turn); a contender whose search is done sits
+    out; a rate's requests are the same for everyone. The scripted servers serve alike, so the
+    share within the SLOs is set per contender from each real measurement's rate."""
+    from contextlib import contextmanager
+
+    from bench import compare as compare_module
+    from bench.compare import CapacityBounds, CapacitySearch, Contender, capacity_table, compare_capacities
+
+    live: list[str] = []
+
+    def launch(name: str):
+        @contextmanager
+        def started():
+            live.append(name)
+            try:
+                yield scripted_server
+            finally:
+                live.remove(name)
+        return started
+
+    thresholds = {"a": 8.0, "b": 3.0}  # a passes every rate to the bound; b fails above 3
+    measured, real = [], compare_module._measure
+
+    def measure(contender, base_url, ignore_eos, rate, requests, *rest):
+        summary = real(contender, base_url, ignore_eos, rate, requests, *rest)
+        measured.append((contender.name, rate, sorted(live), requests))
+        summary["slo_attainment"] = 1.0 if rate <= thresholds[contender.name] else 0.5
+        return summary
+
+    monkeypatch.setattr(compare_module, "_measure", measure)
+    workloads = {}
+
+    def workload(rate):
+        return workloads.setdefault(rate, [BenchRequest(f"at {rate:.3f}", NUM_TOKENS, -1)] * 2)
+
+    search = CapacitySearch(workload, CapacityBounds(start=4.0, min_rate=1.0, max_rate=8.0, step=1.5))
+    contenders = [Contender(name, "scripted", [], launch(name), "m") for name in "ab"]
+    result = compare_capacities(contenders, search, seed=0, slo_tpot_ms=None, slo_ttft_ms=None,
+                                calibration=[BenchRequest("hello", NUM_TOKENS, -1)] * 2, say=lambda line: None)
+    turns = [(name, round(rate, 2)) for name, rate, _, _ in measured]
+    assert turns == [("a", 4.0), ("b", 4.0), ("b", 2.0), ("a", 8.0), ("b", 2.83)]
+    assert all(up == ["a", "b"] for _, _, up, _ in measured) and live == []
+    assert measured[0][3] is measured[1][3] == workloads[4.0]  # the same requests for both at 4 req/s
+    assert (result.capacities["a"].rate, result.capacities["a"].ceiling) == (8.0, None)
+    assert result.capacities["b"].rate == pytest.approx(8 ** 0.5) and result.capacities["b"].ceiling == 4.0
+    assert sorted(result.runs["b"]) == pytest.approx([2.0, 8 ** 0.5, 4.0])
+    assert all(s["completed"] == 2 for by_rate in result.runs.values() for s in by_rate.values())
+    assert result.slo_tpot_ms == pytest.approx(3 * result.unloaded_step_ms)
+    assert "| b | 2.83 | 4 | 4 (1/2), 2 (2/2), 2.83 (2/2) |" in capacity_table(result)
+
+
 def test_compare_repeat_flag_is_for_a_fixed_sweep():
     from bench.compare import run_compare
     from cluster.cli import build_parser
@@ -280,6 +333,9 @@ def test_compare_repeat_flag_is_for_a_fixed_sweep():
     for extra in (["--repeat", "0"], ["--repeat", "2", "--capacity"]):
         with pytest.raises(SystemExit, match="--repeat"):
             run_compare(build_parser().parse_args(["bench", "compare", *extra]))
+    with pytest.raises(SystemExit, match="--interleave is for --capacity"):
+        run_compare(build_parser().parse_args(["bench", "compare", "--interleave"]))
+    assert build_parser().parse_args(["bench", "compare", "--capacity", "--interleave"]).interleave
 
 
 def test_transformers_serve_contender_runs_the_workload(smollm_dir):
