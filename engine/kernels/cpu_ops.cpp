@@ -143,7 +143,7 @@ constexpr int64_t kChunk = 512;
 // residual += delta (rounded to the model dtype, as an eager add would), then
 // out = rms_norm(residual) * weight. With delta None: out = rms_norm(residual), residual kept.
 at::Tensor add_rms_norm_(at::Tensor residual, c10::optional<at::Tensor> delta,
-                            at::Tensor weight, double eps) {
+                         at::Tensor weight, double eps) {
   check_rows(residual, "add_rms_norm_");
   const int64_t rows = residual.size(0), hidden = residual.size(1);
   TORCH_CHECK(weight.numel() == hidden && weight.is_contiguous() && weight.scalar_type() == residual.scalar_type(),
@@ -685,7 +685,7 @@ bool attend_bf16(const scalar_t* query, int64_t q_head, int64_t heads, int64_t h
 // attend_split_fixed, other shapes through attend_split; bfloat16 on CPUs with AVX512_BF16
 // through attend_split_bf16); the splits of a (sequence, KV head) are then merged in order.
 at::Tensor paged_decode_attention(at::Tensor query, at::Tensor kv_cache, at::Tensor block_tables,
-                                     at::Tensor seq_lens, double scale) {
+                                  at::Tensor seq_lens, double scale) {
   TORCH_CHECK(query.dim() == 3 && query.stride(2) == 1, "paged_decode_attention: query [n, heads, head_dim]");
   TORCH_CHECK(kv_cache.dim() == 4 && kv_cache.is_contiguous(), "paged_decode_attention: contiguous kv_cache");
   TORCH_CHECK(kv_cache.scalar_type() == query.scalar_type(), "paged_decode_attention: dtype mismatch");

@@ -124,30 +124,32 @@ def test_the_wait_for_a_live_holder_has_a_deadline(tmp_path, built, monkeypatch)
 
 
 
-def test_a_fresh_checkout_imports_the_library_built_from_the_same_files(tmp_path, built):
-    """A clone's files are all newer than the cached library, which ninja would rebuild; the
-    same bytes import it as it is. A changed header builds in a directory of its own."""
-    _, built_source, _ = built
+def test_a_fresh_checkout_imports_the_library_built_from_the_same_files(tmp_path):
+    """A clone elsewhere has the same bytes in files newer than the cached library, which ninja
+    would rebuild; it imports the library as it is. A changed header builds in a directory of
+    its own."""
     cache = tmp_path / "cache"
-    checkout = tmp_path / "checkout"
-    checkout.mkdir()
-    source = checkout / "answer.cpp"
-    source.write_text(SOURCE)
-    (checkout / "answer.h").write_text("#define ANSWER 42\n")
-    assert "answer 42" in load_in_new_process(cache, source).stdout
-    (first,) = (cache / "torch_extensions").iterdir()
-    library = first / f"{NAME}.so"
-    built_at = library.stat().st_mtime_ns
-    outputs = {path.name: path.stat().st_mtime_ns for path in first.iterdir()}
-    later = time.time() + 60
-    for path in (source, checkout / "answer.h"):
-        os.utime(path, (later, later))  # as a fresh clone: newer than every build output
-    again = load_in_new_process(cache, source)
-    assert "answer 42" in again.stdout, again.stderr
-    assert {path.name: path.stat().st_mtime_ns for path in first.iterdir()} == outputs  # nothing compiled
 
-    (checkout / "answer.h").write_text("#define ANSWER 43\n")
-    changed = load_in_new_process(cache, source)
+    def checkout(name: str, answer: int) -> Path:
+        root = tmp_path / name
+        root.mkdir()
+        (root / "answer.cpp").write_text(SOURCE)
+        (root / "answer.h").write_text(f"#define ANSWER {answer}\n")
+        return root / "answer.cpp"
+
+    assert "answer 42" in load_in_new_process(cache, checkout("first", 42)).stdout
+    (built_dir,) = (cache / "torch_extensions").iterdir()
+    outputs = {path.name: path.stat().st_mtime_ns for path in built_dir.iterdir()}
+    clone = checkout("clone", 42)
+    later = time.time() + 60
+    for path in (clone, clone.with_suffix(".h")):
+        os.utime(path, (later, later))  # newer than every build output
+    again = load_in_new_process(cache, clone)
+    assert "answer 42" in again.stdout, again.stderr
+    assert {path.name: path.stat().st_mtime_ns for path in built_dir.iterdir()} == outputs  # nothing compiled
+    assert len(list((cache / "torch_extensions").iterdir())) == 1
+
+    changed = load_in_new_process(cache, checkout("changed", 43))
     assert "answer 43" in changed.stdout, changed.stderr
     assert len(list((cache / "torch_extensions").iterdir())) == 2
-    assert library.stat().st_mtime_ns == built_at
+    assert {path.name: path.stat().st_mtime_ns for path in built_dir.iterdir()} == outputs
