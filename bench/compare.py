@@ -135,6 +135,8 @@ def stage_means_ms(before, after) -> dict[str, float] | None:
 
 LANE_FIELDS = ("num_lane_prompts", "num_lane_prompt_tokens", "lane_busy_ms")
 STEP_FIELDS = ("num_decode_steps", "decode_steps_ms", "decode_steps_seqs", "num_prompt_steps", "prompt_steps_ms")
+# gauges, not counters: what each decode worker has measured so far (engine/step_budget.py LaneTradeoff)
+COST_FIELDS = ("lane_ms_per_token", "lane_slowdown", "step_ms_per_prompt_token")
 
 
 def worker_totals(base_url: str) -> dict[str, float] | None:
@@ -146,8 +148,12 @@ def worker_totals(base_url: str) -> dict[str, float] | None:
         samples = metric_samples(base_url)
     except (httpx.HTTPError, ValueError):
         return None
-    totals = {name: sum(s.value for s in samples if s.name == f"tandem:worker_{name}" and s.labels.get("role") == "decode")
+    decode = [s for s in samples if s.labels.get("role") == "decode"]
+    totals = {name: sum(s.value for s in decode if s.name == f"tandem:worker_{name}")
               for name in LANE_FIELDS + STEP_FIELDS}
+    for name in COST_FIELDS:  # their mean over the workers that have measured it
+        measured = [s.value for s in decode if s.name == f"tandem:worker_{name}" and s.value > 0]
+        totals[name] = sum(measured) / len(measured) if measured else 0.0
     return totals if any(s.name == "tandem:worker_lane_busy_ms" for s in samples) else None
 
 
@@ -158,9 +164,14 @@ def lane_profile(before, after, duration_s: float) -> dict[str, float] | None:
         return None
     delta = {name: after[name] - before[name] for name in LANE_FIELDS}
     prompts = delta["num_lane_prompts"]
+    lane_ms, slowdown = after.get("lane_ms_per_token", 0.0), after.get("lane_slowdown", 0.0)
     return {"prompts": prompts, "tokens": delta["num_lane_prompt_tokens"],
             "ms_per_prompt": delta["lane_busy_ms"] / prompts if prompts else 0.0,
-            "busy_share": delta["lane_busy_ms"] / 1000 / duration_s}
+            "busy_share": delta["lane_busy_ms"] / 1000 / duration_s,
+            # what a prompt token costs the streams by the engine's own measures at the end of the run
+            "ms_per_token": lane_ms, "slowdown": slowdown,
+            "stream_ms_per_token_lane": lane_ms * max(0.0, 1 - 1 / slowdown) if lane_ms and slowdown else 0.0,
+            "stream_ms_per_token_steps": after.get("step_ms_per_prompt_token", 0.0)}
 
 
 def step_profile(before, after) -> dict[str, float] | None:
@@ -544,6 +555,11 @@ def _line(name: str, rate: float, s: dict) -> str:
     if lane and lane["prompts"]:  # a server with a lane that took prompts (not disagg's decode workers)
         where += (f"\n{' ' * 16}prefill lane: {lane['prompts']:.0f} of {s['num_requests']} prompts, "
                   f"{lane['ms_per_prompt']:.0f} ms each, computing {lane['busy_share']:.0%} of the run")
+    if lane and (lane.get("stream_ms_per_token_lane") or lane.get("stream_ms_per_token_steps")):
+        where += (f"\n{' ' * 16}a prompt token costs the streams: in the lane "
+                  f"{lane['stream_ms_per_token_lane']:.3f} ms ({lane['ms_per_token']:.3f} ms on its thread, "
+                  f"steps beside it {lane['slowdown']:.2f}x as long), "
+                  f"in the steps {lane['stream_ms_per_token_steps']:.3f} ms")
     steps = s.get("steps")
     if steps and steps["decode_steps"]:
         where += (f"\n{' ' * 16}engine steps: {steps['decode_steps']:.0f} decode-only, "
@@ -622,9 +638,10 @@ def colocated_variants(budgets: list[int], step_ms: list[str], lane_tokens: list
     from engine.config import LANE_POLICIES
 
     for entry in lane_policies:
-        policy, _, pace = entry.partition(":")  # pace:MS sets --prefill-lane-pace-ms too
-        if policy not in LANE_POLICIES or (pace and (policy != "pace" or not _positive(pace))):
-            raise ValueError(f"--colocated-lane-policy takes {', '.join(LANE_POLICIES)} (or pace:MS), got {entry!r}")
+        policy, _, pace = entry.partition(":")  # pace:MS (and cost:MS) set --prefill-lane-pace-ms too
+        if policy not in LANE_POLICIES or (pace and (policy not in ("pace", "cost") or not _positive(pace))):
+            raise ValueError(f"--colocated-lane-policy takes {', '.join(LANE_POLICIES)} (or pace:MS, cost:MS), "
+                             f"got {entry!r}")
         flags = ["--prefill-lane-policy", policy] + (["--prefill-lane-pace-ms", pace] if pace else [])
         variants.append((f"-{policy}{pace}", flags,
                          f"prefill lane policy {policy}" + (f", streams' pace bound {pace} ms" if pace else "")))
@@ -718,8 +735,8 @@ def add_compare_args(compare, default_model: str) -> None:
                          help="comma-separated --prefill-lane-max-wait-ms values (or off): one colocated contender "
                               "each")
     compare.add_argument("--colocated-lane-policy", default="",
-                         help="comma-separated --prefill-lane-policy values (first, overflow, pace, or pace:MS "
-                              "with its --prefill-lane-pace-ms): one colocated contender each")
+                         help="comma-separated --prefill-lane-policy values (first, overflow, pace, cost, or pace:MS "
+                              "and cost:MS with its --prefill-lane-pace-ms): one colocated contender each")
     compare.add_argument("--no-transformers", action="store_true", help="skip transformers serve")
     compare.add_argument("--traffic-mix", default=None, metavar="CLASS:SHARE,...",
                          help="traffic classes instead of a sweep: a baseline run of --traffic-baseline's requests "

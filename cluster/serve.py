@@ -143,7 +143,10 @@ class ServeCluster:
         if choice.mode is Mode.COLOCATED and threads >= 2 and config.prefill_lane_min_tokens is not None:
             when = {"overflow": " and finds other prefill work under way (policy overflow)",
                     "pace": f" while the streams get tokens more than {config.prefill_lane_pace_ms:g} ms apart "
-                            "(policy pace)"}.get(config.prefill_lane_policy, "")
+                            "(policy pace)",
+                    "cost": f" while the streams get tokens more than {config.prefill_lane_pace_ms:g} ms apart, "
+                            "if it costs them less there than in the steps (policy cost)"}
+            when = when.get(config.prefill_lane_policy, "")
             say(f"prefill lane: a prompt of {config.prefill_lane_min_tokens}+ tokens that arrives while streams "
                 f"decode{when} is read on 1 of the {threads} threads, the others decoding meanwhile")
         sizes = {Role.DECODE: config.decode_workers}

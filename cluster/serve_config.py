@@ -170,8 +170,11 @@ class ServeConfig:
              "overflow: a lone prompt is read in the steps on every thread, beside the streams, and the lane takes "
              "a prompt only while other prefill work is under way (the lane busy, another request waiting, a "
              "prompt being read in chunks). pace: the steps read a prompt on every thread while the decoding streams "
-             "get their tokens at most --prefill-lane-pace-ms apart, and the lane takes it when they are slower; "
-             f"default {DEFAULT_PREFILL_LANE_POLICY}, measured: see README")
+             "get their tokens at most --prefill-lane-pace-ms apart, and the lane takes it when they are slower. "
+             "cost: as pace, but when the streams are slower the lane takes a prompt only if, by what the engine "
+             "measures as it serves, a prompt token read there costs the streams less than one read in the steps "
+             f"(tandem:worker_lane_* and step_ms_per_prompt_token); default {DEFAULT_PREFILL_LANE_POLICY}, measured: "
+             "see README")
     prefill_lane_pace_ms: float = flag(
         DEFAULT_PREFILL_LANE_PACE_MS, _pace_ms,
         "the pace policy's bound: the mean ms between the decoding streams' tokens over the last 2 s above which a "

@@ -14,7 +14,7 @@ import torch
 from engine.request_queue import SchedulingPolicy
 
 # which prompts the prefill lane takes (engine/prefill_lane.py, `--prefill-lane-policy`)
-LANE_POLICIES = ("first", "overflow", "pace")
+LANE_POLICIES = ("first", "overflow", "pace", "cost")
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -369,6 +369,7 @@ class EngineCore:
                 times.scheduled = now
         self.counters.max_num_running = max(self.counters.max_num_running, len(scheduled.seqs))
         started = time.perf_counter()
+        lane_from = self._lane_computed()
         try:
             runner_output = self.runner.execute(scheduled)
         except Exception:
@@ -378,9 +379,11 @@ class EngineCore:
                 self._detokenizers.pop(seq.request_id, None)
                 self.kv_exporter.close(seq.request_id, FinishReason.ERROR)
             raise
+        elapsed_s, ended_at = time.perf_counter() - started, time.monotonic()
+        lane_share = 0.0 if lane_from is None else (self._lane_computed(ended_at) - lane_from) / max(elapsed_s, 1e-6)
         self.scheduler.step_budget.observe(StepShape(
-            scheduled.num_decodes, scheduled.num_batched_tokens - scheduled.num_decodes, time.perf_counter() - started,
-            ended_at=time.monotonic()))
+            scheduled.num_decodes, scheduled.num_batched_tokens - scheduled.num_decodes, elapsed_s,
+            ended_at=ended_at, lane_share=min(1.0, lane_share)))
         updates = self.scheduler.update_from_output(scheduled, runner_output)
         failed_outputs += [self._fail(self.scheduler.requests[request_id], message)
                            for request_id, message in runner_output.failed.items()
@@ -401,6 +404,10 @@ class EngineCore:
         return failed_outputs + outputs
 
     # -- the prefill lane -------------------------------------------------------------------
+    def _lane_computed(self, now: float | None = None) -> float | None:
+        """The lane's time computing so far (``PrefillLane.computed_s``), or None without a lane."""
+        return None if self.lane is None else self.lane.computed_s(time.monotonic() if now is None else now)
+
     def _lane_start(self) -> None:
         """Hand the lane the next long prompts while it has room and there are some; this
         thread lends it one of its threads while it holds any."""

@@ -13,7 +13,8 @@ reserved for it.
 
 The engine thread hands over prompts (``Scheduler.take_for_lane``: the head of the queue,
 long enough, while streams decode; under the ``overflow`` policy only while other prefill
-work is under way, under ``pace`` only while the streams are slower than its bound; one
+work is under way, under ``pace`` only while the streams are slower than its bound, under
+``cost`` only then and when the lane costs the streams less than the steps would; one
 computing and one queued behind it), lends the lane
 one of its threads for as long as it holds any (all of them, from the lane's next layer on,
 while the engine thread has nothing to step: ``widen``, ``narrow``), and takes the results
@@ -48,6 +49,7 @@ import torch
 from engine.model_runner import ModelRunner
 from engine.platform import name_native_thread
 from engine.scheduler_types import RunnerOutput, ScheduledSeq, SchedulerOutput
+from engine.step_budget import moving_average
 
 # `tandem serve --prefill-lane-min-tokens` default, for colocated workers (the offline LLM has
 # no lane). Measured on 2 cores (docs/benchmarks.md "The prefill lane"): 250-token prompts
@@ -74,6 +76,10 @@ DEFAULT_PREFILL_LANE_MAX_WAIT_MS = 2000.0
 # at vLLM's capacity rate on random 250/128 its TTFT p90 was 1.53x vLLM's against first's
 # 2.1-2.5x, at the same TPOT p90; capacity on long-prompt 0.84 req/s (first 0.771, vLLM
 # 0.545), on random 2.53 (first 3.01 in an earlier run, vLLM 2.32-2.53).
+# "cost": as "pace", but when the streams are slower than the bound the lane takes a prompt
+# only if it costs them less there than in the steps, as the engine measures both while it
+# serves (engine/step_budget.py LaneTradeoff). Which is cheaper depends on the CPU: on the
+# family-23 EPYC in float32, tandem with the lane off met the SLOs for more requests than with it.
 DEFAULT_PREFILL_LANE_POLICY = "pace"
 # `--prefill-lane-pace-ms` default: under the "pace" policy, the streams' pace (ms between
 # their tokens, engine/step_budget.py StreamPace) above which a prompt goes to the lane. A
@@ -133,6 +139,7 @@ class PrefillLane:
         self._current_tokens = 0  # those of the prompt computing now
         self._current_started: float | None = None  # time.monotonic() when it started
         self._widened = False  # the prompt computing now has run a layer on more than ``threads``
+        self._computed_s = 0.0  # time spent computing prompts that are done (``computed_s``)
         self._cancelled: set[str] = set()  # pending ids the lane skips if it has not started them
         self._jobs: queue.SimpleQueue[ScheduledSeq | None] = queue.SimpleQueue()
         self._done: queue.SimpleQueue[LaneResult] = queue.SimpleQueue()
@@ -164,8 +171,7 @@ class PrefillLane:
         self._cancelled.discard(result.seq.request_id)
         if result.output is not None and not result.widened and result.seq.token_ids:
             sample = result.elapsed_s * 1000.0 / len(result.seq.token_ids)
-            current = self.ms_per_token
-            self.ms_per_token = sample if current is None else current + LANE_COST_SMOOTHING * (sample - current)
+            self.ms_per_token = moving_average(self.ms_per_token, sample, LANE_COST_SMOOTHING)
         return result
 
     def backlog_ms(self, now: float) -> float | None:
@@ -180,6 +186,14 @@ class PrefillLane:
             if self._current_started is not None:
                 current_ms = max(0.0, current_ms - (now - self._current_started) * 1000.0)
         return queued * self.ms_per_token + current_ms
+
+    def computed_s(self, now: float) -> float:
+        """Seconds the lane has spent computing since it started, the prompt under way
+        included up to ``now`` (time.monotonic()): the difference over an engine step is how
+        much of that step ran beside a prompt in the lane (``StepShape.lane_share``)."""
+        with self._lock:
+            current = now - self._current_started if self._current_started is not None else 0.0
+            return self._computed_s + max(0.0, current)
 
     def widen(self, threads: int) -> None:
         """The engine thread has nothing to step: the lane may use ``threads`` from its next
@@ -229,6 +243,7 @@ class PrefillLane:
             with self._lock:
                 self._computing = False
                 self._within.set()
+                self._computed_s += time.monotonic() - started
                 self._tokens_left -= self._current_tokens
                 self._current_tokens, self._current_started = 0, None
             self._done.put(result)

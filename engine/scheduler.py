@@ -30,7 +30,7 @@ from engine.scheduler_types import (
     ScheduledSeq,
     SchedulerOutput,
 )
-from engine.step_budget import StepBudget, StepBudgetConfig
+from engine.step_budget import LANE_COST_STALE_S, StepBudget, StepBudgetConfig
 
 
 @dataclass(frozen=True, slots=True)
@@ -185,7 +185,9 @@ class Scheduler:
         policy = self.config.prefill_lane_policy
         if policy == "overflow" and (self.lane is None or not self._prefill_pressure()):
             return None
-        if policy == "pace" and not self._streams_behind():
+        if policy in ("pace", "cost") and not self._streams_behind():
+            return None
+        if policy == "cost" and not self._lane_costs_less():
             return None
         return self._lane_fit(request)
 
@@ -210,7 +212,7 @@ class Scheduler:
         stalling the streams meanwhile; once the lane is done, the pace decides again)."""
         if self.lane is None or not self.lane.busy or not self._lane_in_time(request):
             return False
-        if self.config.prefill_lane_policy == "pace":
+        if self.config.prefill_lane_policy in ("pace", "cost"):
             return self._lane_fit(request) is not None
         return self._lane_hit(request) is not None
 
@@ -219,6 +221,22 @@ class Scheduler:
         (``StreamPace``): prompts read in the steps would slow them further."""
         pace = self.step_budget.pace.ms(time.monotonic())
         return pace is not None and pace > self.config.prefill_lane_pace_ms
+
+    def _lane_costs_less(self) -> bool:
+        """The ``cost`` policy: a prompt read in the lane costs the decoding streams less than one
+        read in the steps on every thread, by what this engine has measured (``LaneTradeoff``).
+        Until both are measured, the pace alone decides (and sends prompts both ways). What each
+        costs follows the load, so a side not measured for ``LANE_COST_STALE_S`` is tried again
+        with the next prompt: the lane, or the steps while the lane is idle (the steps then read
+        it on every thread)."""
+        tradeoff = self.step_budget.tradeoff
+        lane_ms, step_ms = tradeoff.lane_ms(self.lane.ms_per_token), tradeoff.step_ms_per_token
+        if lane_ms is None or step_ms is None:
+            return True
+        now = time.monotonic()
+        if lane_ms >= step_ms:
+            return now - (tradeoff.beside_at or now) > LANE_COST_STALE_S
+        return self.lane.busy or now - (tradeoff.prompt_apart_at or now) <= LANE_COST_STALE_S
 
     def _prefill_pressure(self) -> bool:
         """Prefill work beside the head of the queue: the lane holds a prompt, another request

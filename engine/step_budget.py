@@ -22,6 +22,7 @@ first step with prompt tokens has been timed, a step that decodes gives prompts
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -59,6 +60,7 @@ class StepShape:
     num_prompt_tokens: int  # prompt (or recomputed) tokens fed by the other sequences
     elapsed_s: float  # the forward pass and sampling, wall clock
     ended_at: float | None = None  # time.monotonic() when it ended (the streams' pace: StreamPace)
+    lane_share: float = 0.0  # the share of its time during which the prefill lane computed a prompt (LaneTradeoff)
 
 
 @dataclass(slots=True)
@@ -87,6 +89,7 @@ class StepBudget:
         self.chunk_sum = 0  # prompt tokens over every step that computed some
         self.pace = StreamPace()
         self.totals = StepTotals()
+        self.tradeoff = LaneTradeoff(config.smoothing)
 
     def prompt_tokens(self, num_decodes: int) -> int:
         """Prompt tokens the next step may compute, given that ``num_decodes`` sequences decode
@@ -103,6 +106,7 @@ class StepBudget:
     def observe(self, shape: StepShape) -> None:
         if shape.num_decodes and shape.ended_at is not None:
             self.pace.observe(shape.ended_at)
+        self.tradeoff.observe(shape)
         elapsed_ms, totals = shape.elapsed_s * 1000, self.totals
         if shape.num_prompt_tokens == 0:
             totals.num_decode_steps += 1
@@ -120,13 +124,86 @@ class StepBudget:
         self.ms_per_prompt_token = self._average(self.ms_per_prompt_token, marginal)
 
     def _average(self, current: float | None, sample: float) -> float:
-        return sample if current is None else current + self.config.smoothing * (sample - current)
+        return moving_average(current, sample, self.config.smoothing)
 
     def _count(self, num_tokens: int) -> None:
         index = next((i for i, bound in enumerate(CHUNK_TOKEN_BUCKETS) if num_tokens <= bound),
                      len(CHUNK_TOKEN_BUCKETS))
         self.chunk_counts[index] += 1
         self.chunk_sum += num_tokens
+
+
+def moving_average(current: float | None, sample: float, weight: float) -> float:
+    """An exponential moving average with ``weight`` for the newest ``sample`` (the first sample
+    when there is none yet)."""
+    return sample if current is None else current + weight * (sample - current)
+
+
+# A step ran beside the prefill lane when the lane computed for at least BESIDE_LANE of its time,
+# apart from it when for at most APART_FROM_LANE; steps in between teach LaneTradeoff nothing.
+BESIDE_LANE = 0.9
+APART_FROM_LANE = 0.05
+# The ``cost`` lane policy tries a side again (the lane, or the steps) when what it costs the
+# streams was last measured this long ago: a few seconds of a request's life, so that the
+# choice follows the load; at 4 req/s one prompt in 120 at most goes the dearer way.
+LANE_COST_STALE_S = 30.0
+
+
+class LaneTradeoff:
+    """What a prompt costs the decoding streams per prompt token, read in the steps or in the
+    prefill lane (engine/prefill_lane.py), both measured on this engine as it serves (moving
+    averages), for the ``cost`` lane policy.
+
+    - In the steps, on every thread, each prompt token holds up every stream for its marginal
+      cost in a step: ``step_ms_per_token``, from steps that read prompt tokens apart from the
+      lane (a step's time less the decode-only step's).
+    - In the lane, the prompt takes ``lane_ms_per_token`` (the lane's own measure) on the lane's
+      thread, and the steps beside it run on the threads it leaves them, ``slowdown`` times as
+      long as apart from it (decode-only steps beside the lane, each against the mean decode-only
+      step apart from it at the time). Over the prompt's time the streams lose the share
+      ``1 - 1 / slowdown`` of their steps: ``lane_ms_per_token * (1 - 1 / slowdown)``.
+
+    On 2 cores the second depends on how well a decode step scales from one thread to two (how
+    memory-bound it is) and on what the two threads take from each other's caches and memory
+    bandwidth; the first on how well a prompt does. Neither is known before serving."""
+
+    def __init__(self, smoothing: float = 0.25) -> None:
+        self.smoothing = smoothing
+        self.decode_ms_apart: float | None = None  # decode-only steps apart from the lane
+        self.slowdown: float | None = None  # a decode-only step beside the lane / apart from it
+        self.step_ms_per_token: float | None = None  # a prompt token's marginal cost in a step apart from the lane
+        # time.monotonic() of the newest sample of ``slowdown`` and of ``step_ms_per_token`` (how fresh each side is)
+        self.beside_at: float | None = None
+        self.prompt_apart_at: float | None = None
+
+    def observe(self, shape: StepShape) -> None:
+        elapsed_ms, ended_at = shape.elapsed_s * 1000, shape.ended_at or time.monotonic()
+        apart = shape.lane_share <= APART_FROM_LANE
+        if shape.num_prompt_tokens == 0:
+            if not shape.num_decodes:
+                return
+            if apart:
+                self.decode_ms_apart = self._average(self.decode_ms_apart, elapsed_ms)
+            elif shape.lane_share >= BESIDE_LANE and self.decode_ms_apart:
+                self.slowdown = self._average(self.slowdown, elapsed_ms / self.decode_ms_apart)
+                self.beside_at = ended_at
+            return
+        if apart:
+            decode_part = (self.decode_ms_apart or 0.0) if shape.num_decodes else 0.0
+            marginal = max(elapsed_ms - decode_part, elapsed_ms * 0.1) / shape.num_prompt_tokens
+            self.step_ms_per_token = self._average(self.step_ms_per_token, marginal)
+            self.prompt_apart_at = ended_at
+
+    def lane_ms(self, lane_ms_per_token: float | None) -> float | None:
+        """What a prompt token read in the lane costs the streams (ms), or None before the lane
+        has computed a prompt and run beside a decode-only step apart from one. At least 0: a
+        step beside the lane can beat one apart from it (noise, a smaller batch)."""
+        if lane_ms_per_token is None or self.slowdown is None:
+            return None
+        return lane_ms_per_token * max(0.0, 1.0 - 1.0 / self.slowdown)
+
+    def _average(self, current: float | None, sample: float) -> float:
+        return moving_average(current, sample, self.smoothing)
 
 
 # how far back StreamPace looks: a few seconds of steps, less than one request's life (128

@@ -53,6 +53,7 @@ def output_to_chunk(output: EngineCoreOutput, num_prompt_tokens: int) -> pb.Gene
 def worker_stats(core: EngineCore, role: str, address: str, kv_bytes_sent: int = 0,
                  num_held_transfers: int = 0, prefix_incarnation: str = "") -> pb.WorkerStats:
     scheduler, pool, counters = core.scheduler, core.block_pool, core.counters
+    tradeoff = scheduler.step_budget.tradeoff
     return pb.WorkerStats(
         role=role, address=address, num_kv_blocks=pool.num_blocks, num_free_kv_blocks=pool.num_free_blocks,
         num_running=len(scheduler.running), num_waiting=len(scheduler.waiting),
@@ -70,5 +71,7 @@ def worker_stats(core: EngineCore, role: str, address: str, kv_bytes_sent: int =
         prefill_chunk_tokens_sum=scheduler.step_budget.chunk_sum, max_num_seqs=scheduler.config.max_num_seqs,
         num_lane_prompts=counters.num_lane_prompts, num_lane_prompt_tokens=counters.num_lane_prompt_tokens,
         lane_busy_ms=round(counters.lane_busy_s * 1000), stream_pace_ms=core.stream_pace_ms(),
+        lane_ms_per_token=(core.lane.ms_per_token if core.lane is not None else None) or 0.0,
+        lane_slowdown=tradeoff.slowdown or 0.0, step_ms_per_prompt_token=tradeoff.step_ms_per_token or 0.0,
         **dataclasses.asdict(scheduler.step_budget.totals),
     )

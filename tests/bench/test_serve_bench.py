@@ -384,7 +384,14 @@ def test_the_lane_profile_of_a_run_is_the_difference_of_its_counters():
     before = {"num_lane_prompts": 4, "num_lane_prompt_tokens": 1000, "lane_busy_ms": 2000}
     after = {"num_lane_prompts": 10, "num_lane_prompt_tokens": 2500, "lane_busy_ms": 5000}
     profile = lane_profile(before, after, duration_s=6.0)
-    assert profile == pytest.approx({"prompts": 6, "tokens": 1500, "ms_per_prompt": 500.0, "busy_share": 0.5})
+    assert profile == pytest.approx({"prompts": 6, "tokens": 1500, "ms_per_prompt": 500.0, "busy_share": 0.5,
+                                     "ms_per_token": 0.0, "slowdown": 0.0, "stream_ms_per_token_lane": 0.0,
+                                     "stream_ms_per_token_steps": 0.0})  # no measures of the cost in these totals
+    # the engine's measures at the end of the run: a token on the lane's thread at 0.9 ms, the steps beside
+    # it 1.5x as long (the streams lose a third of their steps meanwhile), one in the steps at 0.4 ms
+    measured = {**after, "lane_ms_per_token": 0.9, "lane_slowdown": 1.5, "step_ms_per_prompt_token": 0.4}
+    costs = lane_profile(before, measured, duration_s=6.0)
+    assert costs["stream_ms_per_token_lane"] == pytest.approx(0.9 / 3) and costs["stream_ms_per_token_steps"] == 0.4
     assert lane_profile(after, after, 6.0)["ms_per_prompt"] == 0.0  # nothing went through the lane
     assert lane_profile(None, after, 6.0) is None and lane_profile(before, after, 0.0) is None
 
@@ -491,10 +498,12 @@ def test_contenders_are_chosen_by_name_and_vllm_runs_as_a_module(tmp_path):
     assert [c.name for c in policies] == ["colocated-first", "colocated-overflow"]
     assert [c.command[-2:] for c in policies] == [["--prefill-lane-policy", p] for p in ("first", "overflow")]
     paces = default_contenders("m", "/weights", "float32", [], ["colocated"],
-                               colocated_lane_policies=["pace", "pace:60"])
-    assert [c.name for c in paces] == ["colocated-pace", "colocated-pace60"]
+                               colocated_lane_policies=["pace", "pace:60", "cost", "cost:120"])
+    assert [c.name for c in paces] == ["colocated-pace", "colocated-pace60", "colocated-cost", "colocated-cost120"]
     assert paces[0].command[-2:] == ["--prefill-lane-policy", "pace"]
     assert paces[1].command[-4:] == ["--prefill-lane-policy", "pace", "--prefill-lane-pace-ms", "60"]
+    assert paces[2].command[-2:] == ["--prefill-lane-policy", "cost"]
+    assert paces[3].command[-4:] == ["--prefill-lane-policy", "cost", "--prefill-lane-pace-ms", "120"]
     for bad in ("sometimes", "first:60", "pace:0", "pace:soon"):
         with pytest.raises(ValueError, match="--colocated-lane-policy"):
             default_contenders("m", "/weights", "float32", [], ["colocated"], colocated_lane_policies=[bad])

@@ -728,3 +728,99 @@ def test_the_lane_widens_while_the_engine_has_nothing_to_step_and_narrows_before
     finally:
         plain.close()
     assert tokens["long"] == reference["long"]  # the same tokens, on one thread or two
+
+
+class SetTradeoff:
+    """What a prompt token costs the streams in the lane and in the steps, as a test sets it
+    (LaneTradeoff's arithmetic is tested in tests/engine/test_step_budget.py, the engine's
+    measures of it below)."""
+
+    def __init__(self) -> None:
+        self.lane: float | None = None
+        self.step_ms_per_token: float | None = None
+        self.beside_at: float | None = None
+        self.prompt_apart_at: float | None = None
+
+    def observe(self, shape) -> None:
+        pass
+
+    def lane_ms(self, lane_ms_per_token: float | None) -> float | None:
+        return self.lane
+
+
+def test_the_cost_policy_gives_the_lane_a_prompt_only_when_it_costs_the_streams_less(tiny_llama_dir):
+    core = build(tiny_llama_dir, LANE_MIN, max_model_len=512, prefill_lane_policy="cost", prefill_lane_pace_ms=60.0)
+    seen = wrap_lane(core)
+    tokens: dict[str, list[int]] = {}
+    step = functools.partial(step_into, core, tokens)
+    streams = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+    pace, costs = SetPace(75.0), SetTradeoff()
+    # (prompt, the streams' pace, ms per prompt token for the streams in the lane and in the steps,
+    #  seconds since each was measured, whether the lane takes it)
+    cases = [("unmeasured", 75.0, None, None, None, None, True),  # the pace alone decides
+             ("dearer", 75.0, 0.5, 0.3, 1.0, 1.0, False),
+             ("cheaper", 75.0, 0.2, 0.3, 1.0, 1.0, True),
+             ("dearer-long-ago", 75.0, 0.5, 0.3, 31.0, 1.0, True),  # the lane tried again
+             ("cheaper-steps-long-ago", 75.0, 0.2, 0.3, 1.0, 31.0, False),  # the steps tried again
+             ("fast-streams", 45.0, 0.2, 0.3, 1.0, 1.0, False)]  # within the pace: the steps, as `pace`
+    prompts = {case[0]: long_prompt(60 + index, 100) for index, case in enumerate(cases)}
+    try:
+        tokens.update(start_streams(core, params=streams))
+        core.scheduler.step_budget.pace, core.scheduler.step_budget.tradeoff = pace, costs
+        for name, pace_ms, lane_ms, steps_ms, lane_age, steps_age, to_lane in cases:
+            now = time.monotonic()
+            pace.value, costs.lane, costs.step_ms_per_token = pace_ms, lane_ms, steps_ms
+            costs.beside_at = None if lane_age is None else now - lane_age
+            costs.prompt_apart_at = None if steps_age is None else now - steps_age
+            core.add_request(core.make_request(name, prompts[name], GREEDY))
+            step()
+            assert core.lane.pending == ([name] if to_lane else []), name
+            assert (core.scheduler.requests[name].num_computed_tokens > 0) is not to_lane, name
+            deadline = time.monotonic() + 60
+            while core.lane.busy:  # the next case starts with the lane idle
+                assert time.monotonic() < deadline
+                step()
+            assert core.scheduler.running and all(len(tokens[s]) < 200 for s in ("s0", "s1"))  # still decoding
+        drain(core, step)
+    finally:
+        core.close()
+    assert [request_id for request_id, _, _ in seen] == [case[0] for case in cases if case[6]]
+    assert_plain_engines_tokens(tiny_llama_dir, streams, prompts, tokens)
+
+
+def test_the_engine_measures_what_a_prompt_costs_the_streams_beside_the_lane_and_apart_from_it(lane_core):
+    """Each step's share of its time beside a prompt in the lane (``StepShape.lane_share``):
+    none before the lane has a prompt, all of it while the lane holds one (a prompt held at
+    its start counts as computing); the measures in Stats are LaneTradeoff's."""
+    budget = lane_core.scheduler.step_budget
+    shapes = []
+    observe = budget.observe
+    budget.observe = lambda shape: (shapes.append(shape), observe(shape))
+    release = threading.Event()
+    seen = wrap_lane(lane_core, lambda: release.wait(60))
+    try:
+        short = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+        tokens = start_streams(lane_core, params=short)
+        for _ in range(3):
+            step_into(lane_core, tokens)  # the streams alone
+        lane_core.add_request(lane_core.make_request("long", long_prompt(70, 200), GREEDY))
+        step_into(lane_core, tokens)  # the lane takes it and holds it
+        held = len(shapes)
+        for _ in range(3):
+            step_into(lane_core, tokens)  # the streams beside it
+        beside = shapes[held:]
+        release.set()
+        drain(lane_core, functools.partial(step_into, lane_core, tokens))
+    finally:
+        release.set()
+        budget.observe = observe
+    assert [request_id for request_id, _, _ in seen] == ["long"]
+    apart = [shape for shape in shapes[:held - 1] if shape.num_prompt_tokens == 0]
+    assert len(apart) >= 3 and all(shape.lane_share == 0.0 for shape in apart)
+    assert len(beside) == 3 and all(shape.num_prompt_tokens == 0 and shape.lane_share >= 0.9 for shape in beside)
+    tradeoff = budget.tradeoff
+    assert tradeoff.decode_ms_apart > 0 and tradeoff.slowdown > 0 and tradeoff.step_ms_per_token > 0
+    stats = worker_stats(lane_core, "decode", "here")
+    assert stats.lane_slowdown == pytest.approx(tradeoff.slowdown, rel=1e-6)
+    assert stats.step_ms_per_prompt_token == pytest.approx(tradeoff.step_ms_per_token, rel=1e-6)
+    assert stats.lane_ms_per_token == pytest.approx(lane_core.lane.ms_per_token or 0.0, rel=1e-6)

@@ -147,3 +147,34 @@ def test_the_step_budget_learns_the_pace_from_decoding_steps_only():
     assert budget.pace.ms(10.12) == pytest.approx(30.0)
     budget.observe(StepShape(num_decodes=4, num_prompt_tokens=200, elapsed_s=0.25, ended_at=10.37))
     assert budget.pace.ms(10.37) == pytest.approx(370.0 / 5)
+
+
+def test_the_lane_tradeoff_measures_both_sides_from_steps_apart_from_and_beside_the_lane():
+    """LaneTradeoff's arithmetic (the ``cost`` lane policy's inputs): decode-only steps apart
+    from the lane set the baseline, those beside it the slowdown against the baseline of the
+    time, prompt steps apart from it the steps' cost per prompt token; steps that shared
+    their time with the lane only in part, and prompt steps beside it, teach it nothing."""
+    budget = StepBudget(StepBudgetConfig(max_num_batched_tokens=512, max_step_ms=500.0, smoothing=0.5))
+    tradeoff = budget.tradeoff
+    assert tradeoff.lane_ms(0.9) is None and tradeoff.step_ms_per_token is None  # nothing measured
+    budget.observe(StepShape(num_decodes=8, num_prompt_tokens=0, elapsed_s=0.060, lane_share=1.0, ended_at=1.0))
+    assert tradeoff.slowdown is None  # beside the lane, but no step apart from it to compare with yet
+    for elapsed_s in (0.040, 0.040):
+        budget.observe(StepShape(num_decodes=8, num_prompt_tokens=0, elapsed_s=elapsed_s, lane_share=0.0, ended_at=2.0))
+    assert tradeoff.decode_ms_apart == pytest.approx(40.0)
+    budget.observe(StepShape(num_decodes=8, num_prompt_tokens=0, elapsed_s=0.060, lane_share=0.95, ended_at=3.0))
+    budget.observe(StepShape(num_decodes=8, num_prompt_tokens=0, elapsed_s=0.500, lane_share=0.5, ended_at=4.0))
+    assert tradeoff.slowdown == pytest.approx(60.0 / 40.0) and tradeoff.beside_at == 3.0
+    # a prompt token in the lane at 0.9 ms on its thread costs the streams the third of it the steps lose
+    assert tradeoff.lane_ms(0.9) == pytest.approx(0.9 * (1 - 40.0 / 60.0))
+    assert tradeoff.lane_ms(None) is None  # the lane has computed no prompt of its own yet
+    budget.observe(StepShape(num_decodes=8, num_prompt_tokens=100, elapsed_s=0.090, lane_share=0.0, ended_at=5.0))
+    assert tradeoff.step_ms_per_token == pytest.approx((90.0 - 40.0) / 100) and tradeoff.prompt_apart_at == 5.0
+    budget.observe(StepShape(num_decodes=0, num_prompt_tokens=200, elapsed_s=0.040, lane_share=0.0, ended_at=6.0))
+    assert tradeoff.step_ms_per_token == pytest.approx(0.5 * 0.5 + 0.5 * 40.0 / 200)  # nothing decoded: all of it
+    budget.observe(StepShape(num_decodes=8, num_prompt_tokens=100, elapsed_s=0.900, lane_share=1.0, ended_at=7.0))
+    assert tradeoff.prompt_apart_at == 6.0 and tradeoff.step_ms_per_token == pytest.approx(0.35)  # beside: ignored
+    # a step beside the lane that beat the baseline: the lane costs the streams nothing, never less
+    budget.observe(StepShape(num_decodes=8, num_prompt_tokens=0, elapsed_s=0.010, lane_share=1.0, ended_at=8.0))
+    budget.observe(StepShape(num_decodes=8, num_prompt_tokens=0, elapsed_s=0.010, lane_share=1.0, ended_at=9.0))
+    assert tradeoff.slowdown < 1.0 and tradeoff.lane_ms(0.9) == 0.0

@@ -481,6 +481,10 @@ def test_a_long_prompt_arriving_mid_stream_goes_through_the_prefill_lane(lane_fi
     assert server.metric("num_lane_prompt_tokens", "decode") == lane_tokens + num_long
     after = totals()
     assert after["num_lane_prompts"] == lane_prompts + 1 and 0 < after["lane_busy_ms"] < 60_000
+    # what the engine measured of the prompt's cost to the streams (the `cost` policy's inputs): the lane's
+    # ms per prompt token on its thread (a moving average over its prompts: a float32 token on one thread takes ms)
+    assert 0 < after["lane_ms_per_token"] < 1000
+    assert after["lane_slowdown"] > 0  # the streams decoded beside the lane, and apart from it before
     # the streams' 160 tokens each came from at least 159 steps (Stats is polled: wait for the last of them)
     def stepped():
         now = totals()
