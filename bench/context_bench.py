@@ -159,7 +159,8 @@ def render_context(result: ContextBenchResult) -> str:
     for row in result.rows:
         vllm = f"{row.vllm_ms:.1f}" if row.vllm_ms else "-"
         against = ratio(row.tandem_ms, row.vllm_ms)
-        line = f"| {row.context} | {row.batch} | {row.tandem_ms:.1f} | {vllm} | {f'{against:.2f}' if against else '-'} |"
+        shown = f"{against:.2f}" if against else "-"
+        line = f"| {row.context} | {row.batch} | {row.tandem_ms:.1f} | {vllm} | {shown} |"
         if scattered:
             slower = ratio(row.tandem_scattered_ms, row.tandem_ms)
             line += (f" {row.tandem_scattered_ms:.1f} | {slower:.2f} |" if row.tandem_scattered_ms and slower
