@@ -160,6 +160,8 @@ def worker_totals(base_url: str) -> dict[str, float] | None:
 def lane_profile(before, after, duration_s: float) -> dict[str, float] | None:
     """What the prefill lane did between two ``worker_totals`` of a run: the prompts it took,
     their tokens, its ms per prompt, and the share of the run it was computing."""
+    from engine.step_budget import lane_stream_ms
+
     if not before or not after or duration_s <= 0:
         return None
     delta = {name: after[name] - before[name] for name in LANE_FIELDS}
@@ -170,7 +172,7 @@ def lane_profile(before, after, duration_s: float) -> dict[str, float] | None:
             "busy_share": delta["lane_busy_ms"] / 1000 / duration_s,
             # what a prompt token costs the streams by the engine's own measures at the end of the run
             "ms_per_token": lane_ms, "slowdown": slowdown,
-            "stream_ms_per_token_lane": lane_ms * max(0.0, 1 - 1 / slowdown) if lane_ms and slowdown else 0.0,
+            "stream_ms_per_token_lane": lane_stream_ms(lane_ms, slowdown) if lane_ms and slowdown else 0.0,
             "stream_ms_per_token_steps": after.get("step_ms_per_prompt_token", 0.0)}
 
 

@@ -118,9 +118,7 @@ class StepBudget:
         totals.num_prompt_steps += 1
         totals.prompt_steps_ms += elapsed_ms
         self._count(shape.num_prompt_tokens)
-        decode_part = (self.decode_ms or 0.0) if shape.num_decodes else 0.0
-        # a step can beat the estimate of its decode part (noise): the prompt tokens still cost something
-        marginal = max(elapsed_ms - decode_part, elapsed_ms * 0.1) / shape.num_prompt_tokens
+        marginal = marginal_ms_per_prompt_token(shape, self.decode_ms)
         self.ms_per_prompt_token = self._average(self.ms_per_prompt_token, marginal)
 
     def _average(self, current: float | None, sample: float) -> float:
@@ -137,6 +135,22 @@ def moving_average(current: float | None, sample: float, weight: float) -> float
     """An exponential moving average with ``weight`` for the newest ``sample`` (the first sample
     when there is none yet)."""
     return sample if current is None else current + weight * (sample - current)
+
+
+def marginal_ms_per_prompt_token(shape: StepShape, decode_ms: float | None) -> float:
+    """A step's ms per prompt token beyond its decode part (``decode_ms``, the decode-only step's
+    mean; nothing when the step decoded nothing)."""
+    elapsed_ms = shape.elapsed_s * 1000
+    decode_part = (decode_ms or 0.0) if shape.num_decodes else 0.0
+    # a step can beat the estimate of its decode part (noise): the prompt tokens still cost something
+    return max(elapsed_ms - decode_part, elapsed_ms * 0.1) / shape.num_prompt_tokens
+
+
+def lane_stream_ms(lane_ms_per_token: float, slowdown: float) -> float:
+    """What a prompt token read in the prefill lane costs the decoding streams (LaneTradeoff): its
+    time on the lane's thread times the share of their steps the streams lose meanwhile (at least
+    0: a step beside the lane can beat one apart from it, by noise or a smaller batch)."""
+    return lane_ms_per_token * max(0.0, 1.0 - 1.0 / slowdown)
 
 
 # A step ran beside the prefill lane when the lane computed for at least BESIDE_LANE of its time,
@@ -189,8 +203,7 @@ class LaneTradeoff:
                 self.beside_at = ended_at
             return
         if apart:
-            decode_part = (self.decode_ms_apart or 0.0) if shape.num_decodes else 0.0
-            marginal = max(elapsed_ms - decode_part, elapsed_ms * 0.1) / shape.num_prompt_tokens
+            marginal = marginal_ms_per_prompt_token(shape, self.decode_ms_apart)
             self.step_ms_per_token = self._average(self.step_ms_per_token, marginal)
             self.prompt_apart_at = ended_at
 
@@ -200,7 +213,7 @@ class LaneTradeoff:
         step beside the lane can beat one apart from it (noise, a smaller batch)."""
         if lane_ms_per_token is None or self.slowdown is None:
             return None
-        return lane_ms_per_token * max(0.0, 1.0 - 1.0 / self.slowdown)
+        return lane_stream_ms(lane_ms_per_token, self.slowdown)
 
     def _average(self, current: float | None, sample: float) -> float:
         return moving_average(current, sample, self.smoothing)
