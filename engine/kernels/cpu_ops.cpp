@@ -265,6 +265,12 @@ inline void init_partials(float* parts, int64_t num_heads, int64_t head_dim) {
 // so a sequence's result does not depend on the batch around it or the thread count.
 constexpr int64_t kSplitPositions = 256;
 
+// Positions [first, last) of one sequence, through its block table (nullptr: none).
+struct Span {
+  const int64_t* table = nullptr;
+  int64_t first = 0, last = 0;
+};
+
 // One (sequence, KV head, split): the group's query heads against positions [first, last).
 // Writes, per query head g: the running max m, the sum of exp(s - m) l, and acc = sum of
 // exp(s - m) * v, into part[g * (head_dim + 2) ...] as [acc..., m, l].
@@ -402,13 +408,24 @@ inline void attend_block(const float* q_heads, const scalar_t* base, int64_t slo
   for (int g = 0; g < G; ++g) std::memcpy(parts + g * (D + 2), acc[g], sizeof(acc[g]));
 }
 
+// Every line of positions [start, last) that lie in start's block (all KV heads, keys and values).
+template <typename scalar_t>
+inline void prefetch_block(const scalar_t* cache, const int64_t* table, int64_t block_size, int64_t slot_stride,
+                           int64_t start, int64_t last) {
+  const int64_t offset = start % block_size;
+  const char* rows = reinterpret_cast<const char*>(cache + (table[start / block_size] * block_size + offset) *
+                                                   slot_stride);
+  const int64_t bytes = std::min(block_size - offset, last - start) * slot_stride * sizeof(scalar_t);
+  for (int64_t byte = 0; byte < bytes; byte += 64) __builtin_prefetch(rows + byte);
+}
+
 // attend_split for head_dim D and group size G known at compile time, over every KV head of
 // the sequence: one (sequence, split) walks its blocks once, and each block's rows (all KV
 // heads, keys and values: [block_size, 2 * kv_heads, D], contiguous) are read in order while
 // they are hot. parts: [kv_heads * G, D + 2] as in attend_split. Blocks of at most 32 slots.
 template <typename scalar_t, int D, int G>
 void attend_split_fixed(const float* qf, const scalar_t* cache, const int64_t* table, int64_t block_size,
-                        int64_t kv_heads, int64_t first, int64_t last, float* parts) {
+                        int64_t kv_heads, int64_t first, int64_t last, float* parts, const Span& then) {
   const int64_t slot_stride = 2 * kv_heads * D, stride = D + 2;
   alignas(64) float s[G * kMaxFixedBlock];  // one block's scores, then probabilities, per query head
   init_partials(parts, kv_heads * G, D);
@@ -417,12 +434,12 @@ void attend_split_fixed(const float* qf, const scalar_t* cache, const int64_t* t
     const int64_t offset = start % block_size;
     const int64_t count = std::min(block_size - offset, last - start);
     const scalar_t* base = cache + (block * block_size + offset) * slot_stride;
-    if (start + count < last) {  // the next block, every line of it, while this one computes
-      const char* next = reinterpret_cast<const char*>(cache + table[(start + count) / block_size] * block_size *
-                                                       slot_stride);
-      const int64_t bytes = std::min(block_size, last - start - count) * slot_stride * sizeof(scalar_t);
-      for (int64_t byte = 0; byte < bytes; byte += 64) __builtin_prefetch(next + byte);
-    }
+    // the next block, every line of it, while this one computes; after the last, the first
+    // block of the task that follows on this thread
+    if (start + count < last)
+      prefetch_block(cache, table, block_size, slot_stride, start + count, last);
+    else if (then.table != nullptr)
+      prefetch_block(cache, then.table, block_size, slot_stride, then.first, then.last);
     for (int64_t h = 0; h < kv_heads; ++h)
       attend_block<scalar_t, D, G>(qf + h * G * D, base, slot_stride, h * D, (kv_heads + h) * D, count,
                                    parts + h * G * stride, s);
@@ -433,9 +450,11 @@ void attend_split_fixed(const float* qf, const scalar_t* cache, const int64_t* t
 // The compiled-in (head_dim, group) pairs; false: use attend_split.
 template <typename scalar_t, int D>
 bool attend_fixed_group(int64_t group, const float* qf, const scalar_t* cache, const int64_t* table,
-                        int64_t block_size, int64_t kv_heads, int64_t first, int64_t last, float* parts) {
+                        int64_t block_size, int64_t kv_heads, int64_t first, int64_t last, float* parts,
+                        const Span& then) {
   return with_group(group, [&](auto g) {
-    attend_split_fixed<scalar_t, D, decltype(g)::value>(qf, cache, table, block_size, kv_heads, first, last, parts);
+    attend_split_fixed<scalar_t, D, decltype(g)::value>(qf, cache, table, block_size, kv_heads, first, last, parts,
+                                                        then);
   });
 }
 
@@ -615,25 +634,34 @@ inline int64_t next_run(const uint16_t* cache, const int64_t* table, int64_t blo
 }
 
 // attend_split_fixed for bfloat16 with AVX512_BF16; q: every query head of the sequence, bf16
-// bits. While a run is attended, the next run's rows are prefetched through its arithmetic.
+// bits. While a run is attended, the next run's rows are prefetched through its arithmetic;
+// during the last run, the first run of the task that follows on this thread (``then``, when
+// it has one): its blocks lie anywhere in the pool, and nothing else would fetch them early.
+// Measured on a 2-core AMD EPYC (family 25), 32 sequences of 1024 positions, (9, 3) heads of
+// 64, 30 layers: 29.4 -> 23.8 ms with each sequence's blocks in order, 49.0 -> 43.1 with them
+// scattered over a pool 4x their number (attend_split_fixed, built without AVX512_BF16: within 3%).
 template <int D, int G>
 void attend_split_bf16(const uint16_t* q, float scale, const uint16_t* cache, const int64_t* table,
-                       int64_t block_size, int64_t kv_heads, int64_t first, int64_t last, float* parts) {
+                       int64_t block_size, int64_t kv_heads, int64_t first, int64_t last, float* parts,
+                       const Span& then) {
   const int64_t slot_stride = 2 * kv_heads * D, stride = D + 2;
   alignas(64) uint16_t probs[G * kMaxTiles * 16 + 2];  // one run's probabilities as bf16, per query head
   std::memset(probs, 0, sizeof(probs));  // rows past a tile's end read as 0
   init_partials(parts, kv_heads * G, D);
-  TileRun run, ahead;
+  TileRun run, ahead, following;
   RunPrefetcher prefetch;
   int64_t after = next_run(cache, table, block_size, slot_stride, first, last, run);
   while (run.count > 0) {
     after = next_run(cache, table, block_size, slot_stride, after, last, ahead);
-    prefetch.reset(ahead, slot_stride * 2);
-    // the next run's lines over this run's prefetch points: G per tile for the scores, one
+    if (ahead.count == 0 && then.table != nullptr)
+      next_run(cache, then.table, block_size, slot_stride, then.first, then.last, following);
+    const TileRun& fetched = ahead.count > 0 || then.table == nullptr ? ahead : following;
+    prefetch.reset(fetched, slot_stride * 2);
+    // the fetched run's lines over this run's prefetch points: G per tile for the scores, one
     // per row pair for the values, per KV head
     int64_t rows = 0, lines = 0;
     for (int t = 0; t < run.count; ++t) rows += run.rows[t];
-    for (int t = 0; t < ahead.count; ++t) lines += ahead.rows[t] * slot_stride * 2 / 64;
+    for (int t = 0; t < fetched.count; ++t) lines += fetched.rows[t] * slot_stride * 2 / 64;
     const int64_t points = kv_heads * (G * run.count + (rows + 1) / 2);
     const int lines_per_step = static_cast<int>((lines + points - 1) / points);
     for (int64_t h = 0; h < kv_heads; ++h)
@@ -646,9 +674,10 @@ void attend_split_bf16(const uint16_t* q, float scale, const uint16_t* cache, co
 
 template <int D>
 bool attend_bf16_group(int64_t group, const uint16_t* q, float scale, const uint16_t* cache, const int64_t* table,
-                       int64_t block_size, int64_t kv_heads, int64_t first, int64_t last, float* parts) {
+                       int64_t block_size, int64_t kv_heads, int64_t first, int64_t last, float* parts,
+                       const Span& then) {
   return with_group(group, [&](auto g) {
-    attend_split_bf16<D, decltype(g)::value>(q, scale, cache, table, block_size, kv_heads, first, last, parts);
+    attend_split_bf16<D, decltype(g)::value>(q, scale, cache, table, block_size, kv_heads, first, last, parts, then);
   });
 }
 #endif  // __AVX512BF16__
@@ -659,7 +688,7 @@ bool attend_bf16_group(int64_t group, const uint16_t* q, float scale, const uint
 template <typename scalar_t>
 bool attend_bf16(const scalar_t* query, int64_t q_head, int64_t heads, int64_t head_dim, int64_t group, double scale,
                  const scalar_t* cache, const int64_t* table, int64_t block_size, int64_t kv_heads, int64_t first,
-                 int64_t last, float* parts, std::vector<uint16_t>& q_bits) {
+                 int64_t last, float* parts, std::vector<uint16_t>& q_bits, const Span& then) {
 #if defined(__AVX512BF16__)
   if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
     if (head_dim != 64 && head_dim != 128) return false;
@@ -668,8 +697,9 @@ bool attend_bf16(const scalar_t* query, int64_t q_head, int64_t heads, int64_t h
     const uint16_t* bits = reinterpret_cast<const uint16_t*>(cache);
     const float sc = static_cast<float>(scale);
     return head_dim == 64
-        ? attend_bf16_group<64>(group, q_bits.data(), sc, bits, table, block_size, kv_heads, first, last, parts)
-        : attend_bf16_group<128>(group, q_bits.data(), sc, bits, table, block_size, kv_heads, first, last, parts);
+        ? attend_bf16_group<64>(group, q_bits.data(), sc, bits, table, block_size, kv_heads, first, last, parts, then)
+        : attend_bf16_group<128>(group, q_bits.data(), sc, bits, table, block_size, kv_heads, first, last, parts,
+                                 then);
   }
 #endif
   return false;
@@ -730,8 +760,15 @@ at::Tensor paged_decode_attention(at::Tensor query, at::Tensor kv_cache, at::Ten
         const int64_t first = split * kSplitPositions, last = std::min(lens[seq], first + kSplitPositions);
         const int64_t* table = tables + seq * max_blocks;
         float* task_parts = parts.data() + task * task_part;
+        Span then;  // the next task on this thread, whose first blocks the last run prefetches
+        if (task + 1 < end) {
+          const int64_t next_seq = task + 1 < first_task[seq + 1] ? seq : seq + 1;
+          then.table = tables + next_seq * max_blocks;
+          then.first = (task + 1 - first_task[next_seq]) * kSplitPositions;
+          then.last = std::min(lens[next_seq], then.first + kSplitPositions);
+        }
         if (attend_bf16(q + seq * q_tok, q_head, heads, head_dim, group, scale, cache, table, block_size, kv_heads,
-                        first, last, task_parts, q_bits))
+                        first, last, task_parts, q_bits, then))
           continue;
         for (int64_t h = 0; h < heads; ++h) {  // the scale folded into the query
           load_f32(q + seq * q_tok + h * q_head, qf.data() + h * head_dim, head_dim);
@@ -739,9 +776,9 @@ at::Tensor paged_decode_attention(at::Tensor query, at::Tensor kv_cache, at::Ten
         }
         const bool fixed = block_size <= kMaxFixedBlock &&
             ((head_dim == 64 && attend_fixed_group<scalar_t, 64>(group, qf.data(), cache, table, block_size,
-                                                                 kv_heads, first, last, task_parts)) ||
+                                                                 kv_heads, first, last, task_parts, then)) ||
              (head_dim == 128 && attend_fixed_group<scalar_t, 128>(group, qf.data(), cache, table, block_size,
-                                                                   kv_heads, first, last, task_parts)));
+                                                                   kv_heads, first, last, task_parts, then)));
         if (!fixed) {
           for (int64_t kvh = 0; kvh < kv_heads; ++kvh)
             attend_split<scalar_t>(qf.data() + kvh * group * head_dim, cache, table, block_size, slot_stride,
