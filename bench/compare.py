@@ -19,7 +19,8 @@ rate (in reverse order every other round). A figure such as TTFT p90 moves by up
 between two sets of requests at one rate, and a shared machine drifts over the minutes a
 sweep takes; interleaved, both fall on every contender alike. ``rounds_table`` gives each
 figure's median and range over the rounds, and each round's ratio to the reference measured
-in that round. The servers not being measured stay up, idle.
+in that round; ``pooled_table`` takes every round's requests together (a p90 of 192 requests
+where a round has 64). The servers not being measured stay up, idle.
 
 With ``--capacity`` each contender's capacity is searched instead of a fixed sweep: the
 highest Poisson rate at which at least 90% of the requests meet both SLOs, found by doubling
@@ -47,7 +48,7 @@ from pathlib import Path
 
 from bench.datasets import BenchRequest, RandomSpec, make_dataset
 from bench.launch import LaunchedCommand, LaunchedServe, free_port
-from bench.serve_bench import LoadConfig, metric_samples, probe_ignore_eos, run_load, summarize
+from bench.serve_bench import LoadConfig, metric_samples, nearest_rank, probe_ignore_eos, run_load, summarize
 
 
 @dataclass(frozen=True)
@@ -475,6 +476,9 @@ def compare_capacities(contenders: list[Contender], capacity: CapacitySearch, se
 # what rounds_table reports for each round: (column, the figure from a summary)
 ROUND_FIGURES = (("TTFT p90", lambda s: s["ttft_ms"]["p90"]), ("TPOT p90", lambda s: s["tpot_ms"]["p90"]),
                  ("ITL p99", lambda s: s["itl_ms"]["p99"]))
+# what pooled_table reports over every round's requests together: (column, samples_ms key, quantile)
+POOLED_FIGURES = (("TTFT p50", "ttft", 0.5), ("TTFT p90", "ttft", 0.9), ("TPOT p90", "tpot", 0.9),
+                  ("ITL p99", "itl", 0.99))
 
 
 def _spread(values: list[float | None], spec: str) -> str:
@@ -507,6 +511,42 @@ def rounds_table(result: CompareResult, reference: str) -> str:
     count = max((len(summaries) for by_rate in result.rounds.values() for summaries in by_rate.values()), default=0)
     lines.append(f"\n{count} rounds, each on requests of its own; a ratio compares two servers within one round (the "
                  "same requests, run one after the other)")
+    return "\n".join(lines)
+
+
+def pooled_figures(summaries: list[dict]) -> tuple[int, int, dict[str, float | None]]:
+    """Over every round's requests together: how many met both SLOs, how many there were, and
+    each of POOLED_FIGURES (a p90 of 3 x 64 requests moves less between samples than one
+    round's p90 of 64 does)."""
+    met = sum(round(s["slo_attainment"] * s["num_requests"]) for s in summaries)
+    total = sum(s["num_requests"] for s in summaries)
+    figures = {}
+    for column, key, quantile in POOLED_FIGURES:
+        samples = sorted(v for s in summaries for v in s["samples_ms"][key])
+        figures[column] = nearest_rank(samples, quantile) if samples else None
+    return met, total, figures
+
+
+def pooled_table(result: CompareResult, reference: str) -> str:
+    """Markdown for ``--repeat``: per contender and rate, every round's requests taken together:
+    the SLOs met, each of POOLED_FIGURES in ms and, beside a reference, its ratio to the
+    reference's pooled figure."""
+    heads = " | ".join(f"{name} (ms) | vs {reference}" for name, _, _ in POOLED_FIGURES)
+    lines = [f"| server | rate (req/s) | SLOs met, all rounds | {heads} |",
+             "|---|---|---|" + "---|---|" * len(POOLED_FIGURES)]
+    for name, by_rate in result.rounds.items():
+        for rate, summaries in by_rate.items():
+            met, total, figures = pooled_figures(summaries)
+            base = result.rounds.get(reference, {}).get(rate)
+            _, _, base_figures = pooled_figures(base) if base else (0, 0, {})
+            cells = []
+            for column, _, _ in POOLED_FIGURES:
+                value, against = figures[column], base_figures.get(column)
+                cells.append(_num(value))
+                cells.append(f"{value / against:.2f}x" if name != reference and value is not None and against
+                             else "-")
+            lines.append(f"| {name} | {rate:g} | {met}/{total} | {' | '.join(cells)} |")
+    lines.append("\nevery round's requests taken together; a ratio compares two servers' pooled figures")
     return "\n".join(lines)
 
 
@@ -820,7 +860,8 @@ def _print_compare(args, result: CompareResult, reference: str, capacity: bool) 
           f"TPOT SLO {result.slo_tpot_ms:.1f} ms"
           + ("" if args.slo_tpot_ms else f" (3x the unloaded decode step {result.unloaded_step_ms:.1f} ms)")
           + (f", TTFT SLO {result.slo_ttft_ms:.0f} ms" if result.slo_ttft_ms else ""))
-    print(table(result, reference) if not result.rounds else rounds_table(result, reference))
+    print(table(result, reference) if not result.rounds else
+          rounds_table(result, reference) + "\n\n" + pooled_table(result, reference))
     if capacity:
         print("\n" + capacity_table(result))
     for name, notes in result.notes.items():
@@ -831,16 +872,35 @@ def _print_compare(args, result: CompareResult, reference: str, capacity: bool) 
         print(f"  {name}: {line}")
 
 
+def _rounded_samples(value):
+    """``value`` with every summary's samples_ms rounded to 10 us (a run's thousands of ITLs
+    to 17 significant digits made a compare.json of three rounds 1.7 MB)."""
+    if isinstance(value, dict):
+        return {k: ({name: [round(v, 2) for v in samples] for name, samples in v.items()} if k == "samples_ms"
+                    else _rounded_samples(v)) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_rounded_samples(v) for v in value]
+    return value
+
+
+def compact_json(data: dict) -> str:
+    """JSON indented by 2, but a list of numbers on one line, samples_ms rounded (``_rounded_samples``)."""
+    import json
+    import re
+
+    text = json.dumps(_rounded_samples(data), indent=2)
+    return re.sub(r"\[\s*(-?[0-9][-+0-9.eE]*(?:,\s*-?[0-9][-+0-9.eE]*)*)\s*\]",
+                  lambda m: "[" + ", ".join(m.group(1).replace(",", " ").split()) + "]", text)
+
+
 def _save_compare(args, result: CompareResult, rates: list[float], capacity: bool) -> None:
     """compare.json and the plots in ``--out-dir``."""
-    import json
-
     from bench import plots
     from bench.machine import describe
 
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "compare.json").write_text(json.dumps({
+    (out / "compare.json").write_text(compact_json({
         "machine": describe(), "dataset": args.dataset, "num_prompts": args.num_prompts, "seed": args.seed,
         "rates": rates,
         "slo_tpot_ms": result.slo_tpot_ms, "slo_ttft_ms": result.slo_ttft_ms,
@@ -851,7 +911,7 @@ def _save_compare(args, result: CompareResult, rates: list[float], capacity: boo
         "rounds": {name: {str(rate): s for rate, s in by_rate.items()} for name, by_rate in result.rounds.items()},
         "capacities": {name: {"rate": c.rate, "lowest_failing_rate": c.ceiling, "tried": c.tried}
                        for name, c in result.capacities.items()},
-    }, indent=2))
+    }))
     plots.sweep(result.runs, out / "sweep.png", f"{args.dataset}: goodput and p99 ITL against request rate")
     if not capacity:
         top = max(rates)

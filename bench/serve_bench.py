@@ -194,10 +194,15 @@ def _stats_ms(values: list[float], percentiles: list[float] = ()) -> dict:
     ordered = sorted(v * 1000 for v in values)
 
     def pct(q: float) -> float:
-        return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
+        return nearest_rank(ordered, q)
 
     return {"mean": statistics.fmean(ordered), "std": statistics.pstdev(ordered), "p50": pct(0.5), "p90": pct(0.9),
             "p99": pct(0.99), "percentiles": {f"{p:g}": pct(p / 100) for p in percentiles}}
+
+
+def nearest_rank(ordered: list[float], q: float) -> float:
+    """The ``q`` quantile (0-1) of sorted, non-empty ``ordered``: the sample at the nearest rank."""
+    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
 
 
 def summarize(results: list[RequestResult], duration_s: float, slo_ttft_ms: float | None = None,

@@ -227,7 +227,7 @@ def test_compare_rounds_interleave_the_contenders_on_requests_of_their_own(scrip
     range and the ratio to the reference within each round."""
     from contextlib import contextmanager
 
-    from bench.compare import Contender, compare_rounds, rounds_table
+    from bench.compare import Contender, compare_rounds, pooled_table, rounds_table
 
     live: list[str] = []
 
@@ -270,6 +270,16 @@ def test_compare_rounds_interleave_the_contenders_on_requests_of_their_own(scrip
     assert f"| {statistics.median(b_ttft):.0f} ({min(b_ttft):.0f}-{max(b_ttft):.0f}) |" in row
     assert f"| {statistics.median(ratios):.2f} ({ratios[0]:.2f}-{ratios[1]:.2f})x |" in row
     assert "| a | 4 | 2/2, 2/2 |" in rendered and "2 rounds" in rendered
+
+    # pooled: every round's requests together, the percentile by nearest rank over all of them
+    pooled = pooled_table(result, "a")
+    a_all = sorted(v for s in result.rounds["a"][8.0] for v in s["samples_ms"]["ttft"])
+    b_all = sorted(v for s in result.rounds["b"][8.0] for v in s["samples_ms"]["ttft"])
+    assert len(b_all) == 4
+    b_p90 = b_all[round(0.9 * 3)]  # of 4 samples, the 4th
+    row = next(line for line in pooled.splitlines() if line.startswith("| b | 8 |"))
+    assert row.startswith("| b | 8 | 4/4 | ") and f"| {b_p90:.0f} | {b_p90 / a_all[3]:.2f}x |" in row
+    assert next(line for line in pooled.splitlines() if line.startswith("| a | 4 |")).count("| - |") == 4
 
 
 def test_compare_capacities_take_turns_rate_by_rate(scripted_server, monkeypatch):
@@ -596,3 +606,21 @@ def test_capacity_workload_grows_with_the_rate_and_is_the_same_for_everyone():
     assert len(burst(10.0)) == 4 and len(steady(1.0)) == 4 and len(steady(10.0)) == 30
     assert steady(2.5) == capacity_workload("random", 4, 3.0, 0, spec)(2.5)  # another contender, the same requests
     assert burst(2.0) != burst(4.0)  # each rate its own prompts
+
+
+def test_compare_json_keeps_everything_but_rounds_the_samples():
+    """compare.json: every field as json.dumps gives it, except samples_ms rounded to 10 us;
+    lists of numbers on one line (three rounds' ITLs were 1.7 MB one number per line)."""
+    from bench.compare import compact_json
+
+    data = {"runs": {"a": {"0.5": {"samples_ms": {"itl": [19.308382000417623, 1e-05, 1234.5678], "ttft": []},
+                                   "ttft_ms": {"p90": 2082.019448000050, "percentiles": {}}}}},
+            "capacities": {"a": {"rate": 0.7, "tried": [[0.7, 0.9375], [1.4, -0.5]]}}, "rates": [0.5, 2],
+            "notes": {"a": ["refuses [1, 2]"]}, "nothing": None}
+    text = compact_json(data)
+    loaded = json.loads(text)
+    assert loaded["runs"]["a"]["0.5"]["samples_ms"] == {"itl": [19.31, 0.0, 1234.57], "ttft": []}
+    expected = json.loads(json.dumps(data))
+    expected["runs"]["a"]["0.5"]["samples_ms"] = loaded["runs"]["a"]["0.5"]["samples_ms"]
+    assert loaded == expected  # the rest untouched, the p90 to the last digit
+    assert '"itl": [19.31, 0.0, 1234.57]' in text and "[0.7, 0.9375]" in text and '"rates": [0.5, 2]' in text
