@@ -655,7 +655,7 @@ void attend_split_bf16(const uint16_t* q, float scale, const uint16_t* cache, co
     after = next_run(cache, table, block_size, slot_stride, after, last, ahead);
     if (ahead.count == 0 && then.table != nullptr)
       next_run(cache, then.table, block_size, slot_stride, then.first, then.last, following);
-    const TileRun& fetched = ahead.count > 0 || then.table == nullptr ? ahead : following;
+    const TileRun& fetched = ahead.count > 0 ? ahead : following;  // following is empty without a then
     prefetch.reset(fetched, slot_stride * 2);
     // the fetched run's lines over this run's prefetch points: G per tile for the scores, one
     // per row pair for the values, per KV head
