@@ -20,7 +20,9 @@ between two sets of requests at one rate, and a shared machine drifts over the m
 sweep takes; interleaved, both fall on every contender alike. ``rounds_table`` gives each
 figure's median and range over the rounds, and each round's ratio to the reference measured
 in that round; ``pooled_table`` takes every round's requests together (a p90 of 192 requests
-where a round has 64). The servers not being measured stay up, idle.
+where a round has 64). The servers not being measured stay up, idle, and that is not free on
+2 cores: beside an idle tandem server vLLM's TPOT p90 was 1.3x what it was alone, tandem's
+beside an idle vLLM 1.1x (docs/benchmarks.md "At vLLM's capacity again, in interleaved rounds").
 
 With ``--capacity`` each contender's capacity is searched instead of a fixed sweep: the
 highest Poisson rate at which at least 90% of the requests meet both SLOs, found by doubling
