@@ -520,7 +520,7 @@ def pooled_figures(summaries: list[dict]) -> tuple[int, int, dict[str, float | N
     """Over every round's requests together: how many met both SLOs, how many there were, and
     each of POOLED_FIGURES (a p90 of 3 x 64 requests moves less between samples than one
     round's p90 of 64 does)."""
-    met = sum(round(s["slo_attainment"] * s["num_requests"]) for s in summaries)
+    met = sum(_met_count(s) for s in summaries)
     total = sum(s["num_requests"] for s in summaries)
     figures = {}
     for column, key, quantile in POOLED_FIGURES:
@@ -578,10 +578,15 @@ def capacity_table(result: CompareResult) -> str:
     return "\n".join(lines)
 
 
+def _met_count(summary: dict) -> int:
+    """How many of a run's requests met both SLOs."""
+    return round(summary["slo_attainment"] * summary["num_requests"])
+
+
 def _met(summary: dict) -> str:
     """How many of a rate's requests met both SLOs, as a count (a share rounded to 90% may be
     43 of 48, under the target)."""
-    return f"{round(summary['slo_attainment'] * summary['num_requests'])}/{summary['num_requests']}"
+    return f"{_met_count(summary)}/{summary['num_requests']}"
 
 
 def _command_line(contender: Contender) -> str:
@@ -636,8 +641,7 @@ def table(result: CompareResult, reference: str) -> str:
                 ratio = f"{s['goodput'] / base['goodput']:.2f}x"
             else:
                 ratio = "-"
-            met = round(s["slo_attainment"] * s["num_requests"])
-            lines.append(f"| {name} | {rate:g} | {met}/{s['num_requests']} | {s['goodput']:.3f} | {ratio} | "
+            lines.append(f"| {name} | {rate:g} | {_met(s)} | {s['goodput']:.3f} | {ratio} | "
                          f"{_num(s['ttft_ms']['p50'])} / {_num(s['ttft_ms']['p90'])} | "
                          f"{_num(s['tpot_ms']['p50'])} / {_num(s['tpot_ms']['p90'])} | {_num(s['itl_ms']['p99'])} | "
                          f"{s['output_token_throughput']:.1f} |")
@@ -891,8 +895,11 @@ def compact_json(data: dict) -> str:
     import json
     import re
 
+    # indented, a list puts each element on a line of its own; a string cannot hold a raw line
+    # break, so a "[" followed by one opens a real list, never text within a string
     text = json.dumps(_rounded_samples(data), indent=2)
-    return re.sub(r"\[\s*(-?[0-9][-+0-9.eE]*(?:,\s*-?[0-9][-+0-9.eE]*)*)\s*\]",
+    number = r"-?[0-9][-+0-9.eE]*"
+    return re.sub(rf"\[\n\s*({number}(?:,\n\s*{number})*)\n\s*\]",
                   lambda m: "[" + ", ".join(m.group(1).replace(",", " ").split()) + "]", text)
 
 

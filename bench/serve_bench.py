@@ -192,12 +192,9 @@ def _stats_ms(values: list[float], percentiles: list[float] = ()) -> dict:
         return {"mean": None, "std": None, "p50": None, "p90": None, "p99": None,
                 "percentiles": {f"{p:g}": None for p in percentiles}}
     ordered = sorted(v * 1000 for v in values)
-
-    def pct(q: float) -> float:
-        return nearest_rank(ordered, q)
-
-    return {"mean": statistics.fmean(ordered), "std": statistics.pstdev(ordered), "p50": pct(0.5), "p90": pct(0.9),
-            "p99": pct(0.99), "percentiles": {f"{p:g}": pct(p / 100) for p in percentiles}}
+    return {"mean": statistics.fmean(ordered), "std": statistics.pstdev(ordered),
+            "p50": nearest_rank(ordered, 0.5), "p90": nearest_rank(ordered, 0.9), "p99": nearest_rank(ordered, 0.99),
+            "percentiles": {f"{p:g}": nearest_rank(ordered, p / 100) for p in percentiles}}
 
 
 def nearest_rank(ordered: list[float], q: float) -> float:

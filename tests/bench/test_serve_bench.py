@@ -616,7 +616,7 @@ def test_compare_json_keeps_everything_but_rounds_the_samples():
     data = {"runs": {"a": {"0.5": {"samples_ms": {"itl": [19.308382000417623, 1e-05, 1234.5678], "ttft": []},
                                    "ttft_ms": {"p90": 2082.019448000050, "percentiles": {}}}}},
             "capacities": {"a": {"rate": 0.7, "tried": [[0.7, 0.9375], [1.4, -0.5]]}}, "rates": [0.5, 2],
-            "notes": {"a": ["refuses [1, 2]"]}, "nothing": None}
+            "notes": {"a": ["refuses [1, 2]", "a list in text [1,2]"]}, "nothing": None}
     text = compact_json(data)
     loaded = json.loads(text)
     assert loaded["runs"]["a"]["0.5"]["samples_ms"] == {"itl": [19.31, 0.0, 1234.57], "ttft": []}
@@ -624,3 +624,4 @@ def test_compare_json_keeps_everything_but_rounds_the_samples():
     expected["runs"]["a"]["0.5"]["samples_ms"] = loaded["runs"]["a"]["0.5"]["samples_ms"]
     assert loaded == expected  # the rest untouched, the p90 to the last digit
     assert '"itl": [19.31, 0.0, 1234.57]' in text and "[0.7, 0.9375]" in text and '"rates": [0.5, 2]' in text
+    assert json.dumps(data["notes"]["a"][1]) in text  # text that looks like a list stays as it was
