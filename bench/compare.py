@@ -13,16 +13,17 @@ compiles on its first requests) and then the same arrivals. The TPOT SLO default
 unloaded decode step of the first contender, measured first in the same run with three
 requests of the same workload sent one at a time.
 
-With ``--repeat N`` (a fixed sweep) every contender is started at once and the sweep runs N
-rounds, each on requests and arrivals of its own seed, the contenders taking turns rate by
-rate (in reverse order every other round). A figure such as TTFT p90 moves by up to 1.5x
-between two sets of requests at one rate, and a shared machine drifts over the minutes a
-sweep takes; interleaved, both fall on every contender alike. ``rounds_table`` gives each
-figure's median and range over the rounds, and each round's ratio to the reference measured
-in that round; ``pooled_table`` takes every round's requests together (a p90 of 192 requests
-where a round has 64). The servers not being measured stay up, idle, and that is not free on
-2 cores: beside an idle tandem server vLLM's TPOT p90 was 1.3x what it was alone, tandem's
-beside an idle vLLM 1.1x (docs/benchmarks.md "At vLLM's capacity again, in interleaved rounds").
+With ``--repeat N`` (a fixed sweep) the sweep runs N rounds, each on requests and arrivals of
+its own seed, the contenders taking turns rate by rate (in reverse order every other round).
+A figure such as TTFT p90 moves by up to 1.5x between two sets of requests at one rate, and a
+shared machine drifts over the minutes a sweep takes; interleaved, both fall on every
+contender alike. ``rounds_table`` gives each figure's median and range over the rounds, and
+each round's ratio to the reference measured in that round; ``pooled_table`` takes every
+round's requests together (a p90 of 192 requests where a round has 64). By default
+(``--turns alone``) each contender is started for its turn and stopped after it: servers left
+up idle are not free on 2 cores (beside an idle tandem server vLLM's TPOT p90 was 1.3x what it
+was alone, tandem's beside an idle vLLM 1.1x; docs/benchmarks.md "At vLLM's capacity again, in
+interleaved rounds"). ``--turns together`` keeps them all up, and saves a start per turn.
 
 With ``--capacity`` each contender's capacity is searched instead of a fixed sweep: the
 highest Poisson rate at which at least 90% of the requests meet both SLOs, found by doubling
@@ -391,25 +392,51 @@ def _measure(contender: Contender, base_url: str, ignore_eos: bool, rate: float,
 ROUND_SEED_STRIDE = 10_007
 
 
-@contextlib.contextmanager
-def _all_started(contenders: list[Contender], warm_up: list[BenchRequest], say):
-    """Every contender started and warmed up at once, for runs that take turns: yields
-    [(contender, base_url, honours ignore_eos)] and each one's notes."""
-    notes: dict[str, list[str]] = {}
-    with contextlib.ExitStack() as stack:
-        started = []
-        for contender in contenders:
-            say(f"== {contender.name}: {contender.description}")
-            base_url = stack.enter_context(contender.launch())
-            ignore_eos = _started(contender, base_url, warm_up)
-            notes[contender.name] = [] if ignore_eos else ["refuses ignore_eos: output lengths vary"]
-            started.append((contender, base_url, ignore_eos))
-        yield started, notes
+class Turns:
+    """How contenders that take turns are up. ``alone`` (the default): each one started for its
+    turn, warmed up, and stopped after it, so that no idle server shares the cores with the one
+    measured (a start and a warm-up per turn). Otherwise every contender is started once and
+    kept up, idle while another is measured: faster, but not free on 2 cores (the module's
+    docstring). ``with Turns(...) as turns:`` then ``with turns.turn(contender) as (base_url,
+    honours_ignore_eos):``; ``notes`` collects each contender's."""
+
+    def __init__(self, contenders: list[Contender], warm_up: list[BenchRequest], say, alone: bool = True) -> None:
+        self.contenders, self.warm_up, self.say, self.alone = contenders, warm_up, say, alone
+        self.notes: dict[str, list[str]] = {}
+        self._up: dict[str, tuple[str, bool]] = {}
+        self._stack = contextlib.ExitStack()
+
+    def _start(self, contender: Contender, stack: contextlib.ExitStack) -> tuple[str, bool]:
+        self.say(f"== {contender.name}: {contender.description}")
+        base_url = stack.enter_context(contender.launch())
+        ignore_eos = _started(contender, base_url, self.warm_up)
+        self.notes[contender.name] = [] if ignore_eos else ["refuses ignore_eos: output lengths vary"]
+        return base_url, ignore_eos
+
+    def __enter__(self) -> Turns:
+        with contextlib.ExitStack() as stack:
+            if not self.alone:
+                for contender in self.contenders:
+                    self._up[contender.name] = self._start(contender, stack)
+            self._stack = stack.pop_all()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._up.clear()
+        self._stack.close()
+
+    @contextlib.contextmanager
+    def turn(self, contender: Contender):
+        if contender.name in self._up:
+            yield self._up[contender.name]
+            return
+        with contextlib.ExitStack() as stack:
+            yield self._start(contender, stack)
 
 
-def _calibrated(started, calibration: list[BenchRequest], slo_tpot_ms: float | None, say) -> tuple[float, float]:
-    """The first contender's unloaded decode step, and the TPOT SLO (3x that when none is given)."""
-    contender, base_url, _ = started[0]
+def _calibrated(contender: Contender, base_url: str, calibration: list[BenchRequest], slo_tpot_ms: float | None,
+                say) -> tuple[float, float]:
+    """A contender's unloaded decode step, and the TPOT SLO (3x that when none is given)."""
     unloaded = unloaded_decode_step_ms(base_url, contender.model, calibration)
     slo_tpot_ms = slo_tpot_ms or 3 * unloaded
     say(f"unloaded decode step {unloaded:.1f} ms -> TPOT SLO {slo_tpot_ms:.1f} ms")
@@ -418,52 +445,61 @@ def _calibrated(started, calibration: list[BenchRequest], slo_tpot_ms: float | N
 
 def compare_rounds(contenders: list[Contender], rounds: list[list[list[BenchRequest]]], rates: list[float],
                    seed: int, slo_tpot_ms: float | None, slo_ttft_ms: float | None,
-                   calibration: list[BenchRequest], say=print, warm_up: list[BenchRequest] = ()) -> CompareResult:
-    """``--repeat``: every contender started at once; ``rounds[r][i]`` run at ``rates[i]`` by each
-    contender in turn, round after round (the order reversed every other round), arrivals drawn
-    from ``seed + ROUND_SEED_STRIDE * r``. The first contender calibrates the TPOT SLO when none
-    is given."""
+                   calibration: list[BenchRequest], say=print, warm_up: list[BenchRequest] = (),
+                   alone: bool = True) -> CompareResult:
+    """``--repeat``: ``rounds[r][i]`` run at ``rates[i]`` by each contender in turn, round after
+    round (the order reversed every other round), arrivals drawn from ``seed + ROUND_SEED_STRIDE
+    * r``; each contender up only for its turns unless ``alone`` is false (``Turns``). The first
+    contender calibrates the TPOT SLO when none is given."""
     runs: dict[str, dict[float, dict]] = {c.name: {} for c in contenders}
     by_round: dict[str, dict[float, list[dict]]] = {c.name: {rate: [] for rate in rates} for c in contenders}
-    with _all_started(contenders, warm_up, say) as (started, notes):
-        unloaded, slo_tpot_ms = _calibrated(started, calibration, slo_tpot_ms, say)
+    unloaded = None
+    with Turns(contenders, warm_up, say, alone) as turns:
         for index, workloads in enumerate(rounds):
             for rate, requests in zip(rates, workloads, strict=True):
-                for contender, base_url, ignore_eos in (started if index % 2 == 0 else started[::-1]):
-                    summary = _measure(contender, base_url, ignore_eos, rate, requests,
-                                       seed + ROUND_SEED_STRIDE * index, slo_ttft_ms, slo_tpot_ms,
-                                       f"{contender.name} round {index + 1}")
+                for contender in (contenders if index % 2 == 0 else contenders[::-1]):
+                    with turns.turn(contender) as (base_url, ignore_eos):
+                        if unloaded is None:  # the first turn is the first contender's
+                            unloaded, slo_tpot_ms = _calibrated(contender, base_url, calibration, slo_tpot_ms, say)
+                        summary = _measure(contender, base_url, ignore_eos, rate, requests,
+                                           seed + ROUND_SEED_STRIDE * index, slo_ttft_ms, slo_tpot_ms,
+                                           f"{contender.name} round {index + 1}")
+                        say(_line(f"{contender.name} #{index + 1}", rate, summary))
                     by_round[contender.name][rate].append(summary)
                     runs[contender.name].setdefault(rate, summary)
-                    say(_line(f"{contender.name} #{index + 1}", rate, summary))
+    notes = turns.notes
     return CompareResult(slo_tpot_ms, slo_ttft_ms, unloaded, runs, {c.name: c.description for c in contenders}, notes,
                          {c.name: _command_line(c) for c in contenders}, rounds=by_round)
 
 
 def compare_capacities(contenders: list[Contender], capacity: CapacitySearch, seed: int, slo_tpot_ms: float | None,
                        slo_ttft_ms: float | None, calibration: list[BenchRequest], say=print,
-                       warm_up: list[BenchRequest] = ()) -> CompareResult:
-    """``--capacity --interleave``: every contender started at once, each with a search of its
-    own (``capacity_search``), and the searches take turns one rate at a time (in reverse order
-    every other turn), so that a host whose speed drifts over the run slows every contender's
-    search alike instead of the one whose turn it was. A contender whose search is done sits
-    out. A rate's requests are the same for every contender that tries it."""
+                       warm_up: list[BenchRequest] = (), alone: bool = True) -> CompareResult:
+    """``--capacity --interleave``: each contender with a search of its own (``capacity_search``),
+    and the searches take turns one rate at a time (in reverse order every other turn), so that
+    a host whose speed drifts over the run slows every contender's search alike instead of the
+    one whose turn it was; each contender up only for its turns unless ``alone`` is false
+    (``Turns``). A contender whose search is done sits out. A rate's requests are the same for
+    every contender that tries it."""
     runs: dict[str, dict[float, dict]] = {c.name: {} for c in contenders}
     capacities: dict[str, Capacity] = {}
-    with _all_started(contenders, warm_up, say) as (started, notes):
-        unloaded, slo_tpot_ms = _calibrated(started, calibration, slo_tpot_ms, say)
-        searches = {c.name: capacity_search(capacity.bounds) for c in contenders}
-        pending = {name: next(search) for name, search in searches.items()}
-        turn = 0
+    unloaded = None
+    searches = {c.name: capacity_search(capacity.bounds) for c in contenders}
+    pending = {name: next(search) for name, search in searches.items()}
+    turn = 0
+    with Turns(contenders, warm_up, say, alone) as turns:
         while pending:
-            for contender, base_url, ignore_eos in (started if turn % 2 == 0 else started[::-1]):
+            for contender in (contenders if turn % 2 == 0 else contenders[::-1]):
                 rate = pending.get(contender.name)
                 if rate is None:
                     continue
-                summary = _measure(contender, base_url, ignore_eos, rate, capacity.workload(rate), seed, slo_ttft_ms,
-                                   slo_tpot_ms, f"{contender.name} turn {turn + 1}")
+                with turns.turn(contender) as (base_url, ignore_eos):
+                    if unloaded is None:  # the first turn is the first contender's
+                        unloaded, slo_tpot_ms = _calibrated(contender, base_url, calibration, slo_tpot_ms, say)
+                    summary = _measure(contender, base_url, ignore_eos, rate, capacity.workload(rate), seed,
+                                       slo_ttft_ms, slo_tpot_ms, f"{contender.name} turn {turn + 1}")
+                    say(_line(f"{contender.name} #{turn + 1}", rate, summary))
                 runs[contender.name][rate] = summary
-                say(_line(f"{contender.name} #{turn + 1}", rate, summary))
                 try:
                     pending[contender.name] = searches[contender.name].send(summary["slo_attainment"])
                 except StopIteration as done:
@@ -471,6 +507,7 @@ def compare_capacities(contenders: list[Contender], capacity: CapacitySearch, se
                     del pending[contender.name]
                     say(f"{contender.name}: capacity {_capacity(done.value)}")
             turn += 1
+    notes = turns.notes
     return CompareResult(slo_tpot_ms, slo_ttft_ms, unloaded, runs, {c.name: c.description for c in contenders}, notes,
                          {c.name: _command_line(c) for c in contenders}, capacities, capacity.bounds)
 
@@ -768,8 +805,14 @@ def add_compare_args(compare, default_model: str) -> None:
                               "--num-prompts at high rates: a steady load rather than a burst; default 0: "
                               "--num-prompts only)")
     compare.add_argument("--interleave", action="store_true",
-                         help="capacity search: start every contender at once and let their searches take turns "
-                              "rate by rate (for a host whose speed drifts; default: one contender after another)")
+                         help="capacity search: let the contenders' searches take turns rate by rate (for a host "
+                              "whose speed drifts; --turns says whether the others are up meanwhile; default: one "
+                              "contender's whole search after another's)")
+    compare.add_argument("--turns", choices=("alone", "together"), default="alone",
+                         help="with --repeat or --capacity --interleave: alone (default) starts each contender for its "
+                              "turn and stops it after, so that no idle server shares the cores with the one "
+                              "measured (a start and a warm-up per turn); together keeps every contender up from the "
+                              "start (faster, but an idle tandem server beside vLLM made its TPOT p90 1.3x here)")
     compare.add_argument("--seed", type=int, default=0)
     compare.add_argument("--slo-tpot-ms", type=float, default=None, help="default: 3x the unloaded decode step")
     compare.add_argument("--slo-ttft-ms", type=float, default=None)
@@ -834,7 +877,7 @@ def run_compare(args) -> int:
         rounds = [workloads] + [[make_dataset(args.dataset, args.num_prompts, args.seed + ROUND_SEED_STRIDE * r + i,
                                               spec) for i in range(len(rates))] for r in range(1, args.repeat)]
         result = compare_rounds(contenders, rounds, rates, args.seed, args.slo_tpot_ms, args.slo_ttft_ms, calibration,
-                                warm_up=warm_up)
+                                warm_up=warm_up, alone=args.turns == "alone")
         names = [c.name for c in contenders]
         _print_compare(args, result, "vllm" if "vllm" in names else names[0], capacity=False)
         _save_compare(args, result, rates, capacity=False)
@@ -848,7 +891,7 @@ def run_compare(args) -> int:
                                                   spec), bounds)
     if search is not None and args.interleave:
         result = compare_capacities(contenders, search, args.seed, args.slo_tpot_ms, args.slo_ttft_ms, calibration,
-                                    warm_up=warm_up)
+                                    warm_up=warm_up, alone=args.turns == "alone")
     else:
         result = compare(contenders, workloads, rates, args.seed, args.slo_tpot_ms, args.slo_ttft_ms, calibration,
                          warm_up=warm_up, capacity=search)
@@ -860,8 +903,11 @@ def run_compare(args) -> int:
 def _print_compare(args, result: CompareResult, reference: str, capacity: bool) -> None:
     from bench.machine import describe
 
+    interleaved = bool(result.rounds) or (capacity and args.interleave)
     rounds = f" in each of {args.repeat} interleaved rounds" if result.rounds else ""
     rounds += ", the contenders' capacity searches taking turns rate by rate" if capacity and args.interleave else ""
+    rounds += (", each contender started for its turn alone" if args.turns == "alone" else
+               ", every contender up throughout") if interleaved else ""
     print(f"\n{describe()}\n{args.dataset}, {args.num_prompts} requests per rate{rounds} (fresh prompts at each rate), "
           f"Poisson arrivals, seed {args.seed}; "
           f"TPOT SLO {result.slo_tpot_ms:.1f} ms"
@@ -910,13 +956,15 @@ def _save_compare(args, result: CompareResult, rates: list[float], capacity: boo
 
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    interleaved = bool(result.rounds) or bool(capacity and args.interleave)
     (out / "compare.json").write_text(compact_json({
         "machine": describe(), "dataset": args.dataset, "num_prompts": args.num_prompts, "seed": args.seed,
         "rates": rates,
         "slo_tpot_ms": result.slo_tpot_ms, "slo_ttft_ms": result.slo_ttft_ms,
         "unloaded_step_ms": result.unloaded_step_ms, "descriptions": result.descriptions, "notes": result.notes,
         "command_lines": result.command_lines, "warm_up_requests": args.warm_up,
-        "interleaved": bool(result.rounds) or bool(capacity and args.interleave),
+        "interleaved": interleaved,
+        "turns": args.turns if interleaved else None,
         "runs": {name: {str(rate): s for rate, s in by_rate.items()} for name, by_rate in result.runs.items()},
         "rounds": {name: {str(rate): s for rate, s in by_rate.items()} for name, by_rate in result.rounds.items()},
         "capacities": {name: {"rate": c.rate, "lowest_failing_rate": c.ceiling, "tried": c.tried}

@@ -141,8 +141,8 @@ def throughput(sizes_mib: list[int], repeats: int = 2) -> list[ThroughputRow]:
     for size in sizes_mib:
         kv = kv_of_size(size)
         mb = kv.numel() * 4 / 1e6
-        best = {name: min(fn(kv) for _ in range(repeats))
-                for name, fn in (("memcpy", _memcpy), ("bare", _bare_grpc), ("grpc", _grpc_transport), ("gloo", _gloo_transport))}
+        ways = (("memcpy", _memcpy), ("bare", _bare_grpc), ("grpc", _grpc_transport), ("gloo", _gloo_transport))
+        best = {name: min(fn(kv) for _ in range(repeats)) for name, fn in ways}
         rows.append(ThroughputRow(size, mb / best["memcpy"], mb / best["bare"], mb / best["grpc"], mb / best["gloo"]))
     return rows
 

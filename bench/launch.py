@@ -48,8 +48,10 @@ class _Launched:
         raise NotImplementedError
 
     def start(self) -> str:
-        """Start it and wait until ready; on exit or timeout, a RuntimeError with its log."""
+        """Start it and wait until ready; on exit or timeout, a RuntimeError with its log. It may be
+        started again after ``stop`` (the same command and ports, a log of its own)."""
         name = self.name
+        self.log = []  # a restart's ready line is its own, not the last start's
         self.process = subprocess.Popen(self.command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                                         env=self.env)
         threading.Thread(target=lambda: self.log.extend(self.process.stderr), daemon=True).start()

@@ -217,7 +217,8 @@ class VLLMEngineSide(_Processes):
                                  "bench/peers/vllm_decode.py", "CONFIG.json (mode tpot)"])
         self.timeout_s = timeout_s
         self.process = subprocess.Popen([cfg.vllm_python, script, self._config.name], env={**os.environ, **bind},
-                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                        text=True)
         self._errors: list[str] = []
         threading.Thread(target=lambda: self._errors.extend(self.process.stderr), daemon=True).start()
         self._read()  # {"ready": true}

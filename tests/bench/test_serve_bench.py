@@ -221,20 +221,25 @@ def test_compare_calibrates_the_slo_and_ranks_servers(scripted_server):
     assert "| a | 5 | 2/2 |" in rendered and f"| {b['goodput']:.3f} | {b['goodput'] / a['goodput']:.2f}x |" in rendered
 
 
-def test_compare_rounds_interleave_the_contenders_on_requests_of_their_own(scripted_server):
-    """--repeat: both contenders up at once, taking turns rate by rate (the order reversed every
-    other round), each round on its own requests; the table gives each figure's median and
-    range and the ratio to the reference within each round."""
+@pytest.mark.parametrize("alone", [True, False], ids=["alone", "together"])
+def test_compare_rounds_interleave_the_contenders_on_requests_of_their_own(scripted_server, alone):
+    """--repeat: the contenders take turns rate by rate (the order reversed every other round),
+    each round on its own requests; alone (the default), each is started and warmed up for its
+    turn and stopped after it, so that the measured one is the only one up; together, both are
+    up throughout. The table gives each figure's median and range and the ratio to the
+    reference within each round."""
     from contextlib import contextmanager
 
     from bench.compare import Contender, compare_rounds, pooled_table, rounds_table
 
     live: list[str] = []
+    starts: list[str] = []
 
     def launch(name: str, url: str):
         @contextmanager
         def started():
             live.append(name)
+            starts.append(name)
             try:
                 yield url
             finally:
@@ -252,10 +257,20 @@ def test_compare_rounds_interleave_the_contenders_on_requests_of_their_own(scrip
 
     RECEIVED.clear()
     result = compare_rounds([a, b], rounds, [4.0, 8.0], seed=0, slo_tpot_ms=None, slo_ttft_ms=None,
-                            calibration=[BenchRequest("hello", NUM_TOKENS, -1)] * 2, say=say)
+                            calibration=[BenchRequest("hello", NUM_TOKENS, -1)] * 2, say=say,
+                            warm_up=[BenchRequest("warm", 2, -1)], alone=alone)
     measured = [line.split(" @ ")[0].strip() for line in said if " req/s: goodput" in line]
     assert measured == ["a #1", "b #1", "a #1", "b #1", "b #2", "a #2", "b #2", "a #2"]
-    assert all(up == ["a", "b"] for up, line in zip(both_up, said) if " req/s: goodput" in line) and live == []
+    up_when_measured = [up for up, line in zip(both_up, said) if " req/s: goodput" in line]
+    if alone:
+        assert up_when_measured == [[line.split()[0]] for line in measured]
+        assert starts == [line.split()[0] for line in measured]  # a start per turn
+    else:
+        assert all(up == ["a", "b"] for up in up_when_measured) and starts == ["a", "b"]
+    assert live == []
+    # every start warmed up: a's warm-ups reach the script (b's strict path keeps no bodies)
+    assert sum(body.get("prompt") == "warm" for body in RECEIVED) == starts.count("a")
+    assert sum(line.startswith("unloaded decode step") for line in said) == 1
     prompts = [body["prompt"] for body in RECEIVED if str(body.get("prompt", "")).startswith("r")]  # a's (b keeps none)
     assert prompts == [f"r{r}-x{i}" for r in range(2) for i in range(2) for _ in range(2)]
     assert result.slo_tpot_ms == pytest.approx(3 * result.unloaded_step_ms)
@@ -282,11 +297,13 @@ def test_compare_rounds_interleave_the_contenders_on_requests_of_their_own(scrip
     assert next(line for line in pooled.splitlines() if line.startswith("| a | 4 |")).count("| - |") == 4
 
 
-def test_compare_capacities_take_turns_rate_by_rate(scripted_server, monkeypatch):
-    """--capacity --interleave: both contenders up at once, each with a search of its own, one
-    rate at a time in turn (reversed every other turn); a contender whose search is done sits
-    out; a rate's requests are the same for everyone. The scripted servers serve alike, so the
-    share within the SLOs is set per contender from each real measurement's rate."""
+@pytest.mark.parametrize("alone", [True, False], ids=["alone", "together"])
+def test_compare_capacities_take_turns_rate_by_rate(scripted_server, monkeypatch, alone):
+    """--capacity --interleave: each contender with a search of its own, one rate at a time in
+    turn (reversed every other turn), up only for its turn (alone) or both up throughout
+    (together); a contender whose search is done sits out; a rate's requests are the same for
+    everyone. The scripted servers serve alike, so the share within the SLOs is set per
+    contender from each real measurement's rate."""
     from contextlib import contextmanager
 
     from bench import compare as compare_module
@@ -322,10 +339,11 @@ def test_compare_capacities_take_turns_rate_by_rate(scripted_server, monkeypatch
     search = CapacitySearch(workload, CapacityBounds(start=4.0, min_rate=1.0, max_rate=8.0, step=1.5))
     contenders = [Contender(name, "scripted", [], launch(name), "m") for name in "ab"]
     result = compare_capacities(contenders, search, seed=0, slo_tpot_ms=None, slo_ttft_ms=None,
-                                calibration=[BenchRequest("hello", NUM_TOKENS, -1)] * 2, say=lambda line: None)
+                                calibration=[BenchRequest("hello", NUM_TOKENS, -1)] * 2, say=lambda line: None,
+                                alone=alone)
     turns = [(name, round(rate, 2)) for name, rate, _, _ in measured]
     assert turns == [("a", 4.0), ("b", 4.0), ("b", 2.0), ("a", 8.0), ("b", 2.83)]
-    assert all(up == ["a", "b"] for _, _, up, _ in measured) and live == []
+    assert all(up == ([name] if alone else ["a", "b"]) for name, _, up, _ in measured) and live == []
     assert measured[0][3] is measured[1][3] == workloads[4.0]  # the same requests for both at 4 req/s
     assert (result.capacities["a"].rate, result.capacities["a"].ceiling) == (8.0, None)
     assert result.capacities["b"].rate == pytest.approx(8 ** 0.5) and result.capacities["b"].ceiling == 4.0
@@ -625,3 +643,25 @@ def test_compare_json_keeps_everything_but_rounds_the_samples():
     assert loaded == expected  # the rest untouched, the p90 to the last digit
     assert '"itl": [19.31, 0.0, 1234.57]' in text and "[0.7, 0.9375]" in text and '"rates": [0.5, 2]' in text
     assert json.dumps(data["notes"]["a"][1]) in text  # text that looks like a list stays as it was
+
+
+def test_a_launched_server_started_again_waits_for_its_own_ready_line():
+    """``--turns alone`` starts each contender again for every turn: the second start must wait
+    for the new process's ready line, not return on the first process's, still in the log."""
+    import sys
+
+    from bench.launch import LaunchedServe
+
+    launched = LaunchedServe([], ready_timeout_s=60)
+    launched.command = [sys.executable, "-c", "import os, sys, time; time.sleep(0.5); "
+                        "print(f'ready: http pid={os.getpid()}', file=sys.stderr, flush=True); time.sleep(60)"]
+    pids = []
+    for _ in range(2):
+        launched.start()
+        try:
+            pids.append(launched.process.pid)
+            ready = [line for line in launched.log if "ready: http" in line]
+            assert ready == [f"ready: http pid={launched.process.pid}\n"]
+        finally:
+            launched.stop()
+    assert pids[0] != pids[1] and launched.process.poll() is not None
