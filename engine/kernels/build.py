@@ -11,7 +11,12 @@ that a process killed while building or loading leaves behind, and every later p
 wait on it forever; under the flock no live tandem process can own such a file, so it is
 removed. The wait for the flock has a deadline (``TANDEM_KERNEL_BUILD_TIMEOUT_S``), after
 which the torch ops are used. A library is loaded again only if a stamp written after it last
-loaded names it (size and mtime); otherwise the directory is built afresh."""
+loaded names it (size and mtime); otherwise the directory is built afresh.
+
+Each load marks its directory used (``tandem.used``). Every source or compiler change is a
+directory of its own (about 2 MB), so a load also removes the same kernel's other directories
+that no process has used for ``STALE_BUILD_DAYS`` and that no process holds now (their flock
+taken without waiting); a library a running process has loaded stays mapped when removed."""
 
 from __future__ import annotations
 
@@ -19,7 +24,9 @@ import contextlib
 import fcntl
 import hashlib
 import importlib.util
+import os
 import platform
+import re
 import shutil
 import sys
 import time
@@ -28,6 +35,7 @@ from pathlib import Path
 from engine import envs
 
 _LOADED: dict[str, object] = {}  # name -> module (or None when unavailable)
+STALE_BUILD_DAYS = 14.0  # a kernel's other build directories unused this long are removed
 
 
 def cpu_flags() -> set[str]:
@@ -69,6 +77,7 @@ def build(name: str, source: Path, extra_cflags: list[str]):
             library, stamp = build_dir / f"{name}.so", build_dir / "tandem.ok"
             if library.exists() and stamp.exists() and stamp.read_text() == _identity(library):
                 _LOADED[name] = module = _import(name, library)  # known to have loaded: no ninja
+                _used(name, build_dir)
                 return module
             if library.exists():
                 # Not known to have loaded: a linker killed mid-write leaves a library that ninja
@@ -89,6 +98,7 @@ def build(name: str, source: Path, extra_cflags: list[str]):
             partial = stamp.with_suffix(".partial")
             partial.write_text(_identity(library))
             partial.replace(stamp)
+        _used(name, build_dir)
     except Exception as exc:  # no compiler or ninja, or the wait ran out: keep torch's kernels, and say so
         print(f"[tandem] native kernel {name} unavailable ({exc}); using torch ops", file=sys.stderr)
     _LOADED[name] = module
@@ -98,17 +108,32 @@ def build(name: str, source: Path, extra_cflags: list[str]):
 @contextlib.contextmanager
 def build_lock(build_dir: Path, timeout_s: float):
     """Hold ``build_dir``'s flock (TimeoutError after ``timeout_s``) and clear a ``lock`` file
-    that a dead process left for torch's builder."""
-    with open(build_dir / "tandem.flock", "a+") as handle:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    that a dead process left for torch's builder. A flock taken on a directory that
+    ``prune_stale`` removed meanwhile guards nothing: the directory is made again and its new
+    flock taken."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        build_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            handle = open(build_dir / "tandem.flock", "a+")
+        except FileNotFoundError:  # removed between the two: make it again
+            continue
+        try:
+            while True:
+                try:
+                    fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() >= deadline:
+                        raise TimeoutError(f"another process held {build_dir} for {timeout_s:.0f} s") from None
+                    time.sleep(0.1)
+            if _still_there(handle, build_dir / "tandem.flock"):
                 break
-            except BlockingIOError:
-                if time.monotonic() >= deadline:
-                    raise TimeoutError(f"another process held {build_dir} for {timeout_s:.0f} s") from None
-                time.sleep(0.1)
+        except BaseException:
+            handle.close()
+            raise
+        handle.close()  # removed while this process waited: lock the one made now
+    with handle:
         try:
             stale = build_dir / "lock"
             if stale.exists():
@@ -117,6 +142,49 @@ def build_lock(build_dir: Path, timeout_s: float):
             yield
         finally:
             fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _still_there(handle, path: Path) -> bool:
+    """``handle`` is the file now at ``path`` (not one removed since it was opened)."""
+    try:
+        return path.stat().st_ino == os.fstat(handle.fileno()).st_ino
+    except FileNotFoundError:
+        return False
+
+
+def _used(name: str, build_dir: Path) -> None:
+    """Mark ``build_dir`` used now and remove ``name``'s stale other directories
+    (``prune_stale``); neither may fail the load that called it."""
+    try:
+        (build_dir / "tandem.used").touch()
+        prune_stale(name, build_dir, STALE_BUILD_DAYS * 86400.0)
+    except OSError as exc:
+        print(f"[tandem] could not prune old builds of {name} ({exc})", file=sys.stderr)
+
+
+def prune_stale(name: str, keep: Path, max_age_s: float) -> list[Path]:
+    """Remove ``name``'s build directories beside ``keep`` (``name-<16 hex digits>``) whose last
+    use (``tandem.used``, else the stamp, else the directory) is more than ``max_age_s`` ago and
+    whose flock no process holds; the ones removed."""
+    pattern = re.compile(rf"{re.escape(name)}-[0-9a-f]{{16}}")
+    removed = []
+    for other in sorted(keep.parent.iterdir()):
+        if other == keep or not other.is_dir() or not pattern.fullmatch(other.name) or not _stale(other, max_age_s):
+            continue
+        try:
+            with build_lock(other, 0.0):
+                if _stale(other, max_age_s):  # again, now that no other process can be loading it
+                    shutil.rmtree(other)
+                    removed.append(other)
+        except TimeoutError:  # building or loading now: in use
+            continue
+    return removed
+
+
+def _stale(build_dir: Path, max_age_s: float) -> bool:
+    """Last used (``tandem.used``, else the stamp, else the directory made) over ``max_age_s`` ago."""
+    mark = next(m for m in (build_dir / "tandem.used", build_dir / "tandem.ok", build_dir) if m.exists())
+    return time.time() - mark.stat().st_mtime > max_age_s
 
 
 def _import(name: str, library: Path):

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import fcntl
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -124,6 +126,11 @@ def test_the_wait_for_a_live_holder_has_a_deadline(tmp_path, built, monkeypatch)
 
 
 
+def built_outputs(build_dir: Path) -> dict[str, int]:
+    """What a build wrote, by name and mtime (not the mark each load touches)."""
+    return {path.name: path.stat().st_mtime_ns for path in build_dir.iterdir() if path.name != "tandem.used"}
+
+
 def test_a_fresh_checkout_imports_the_library_built_from_the_same_files(tmp_path):
     """A clone elsewhere has the same bytes in files newer than the cached library, which ninja
     would rebuild; it imports the library as it is. A changed header builds in a directory of
@@ -139,17 +146,85 @@ def test_a_fresh_checkout_imports_the_library_built_from_the_same_files(tmp_path
 
     assert "answer 42" in load_in_new_process(cache, checkout("first", 42)).stdout
     (built_dir,) = (cache / "torch_extensions").iterdir()
-    outputs = {path.name: path.stat().st_mtime_ns for path in built_dir.iterdir()}
+    outputs = built_outputs(built_dir)
     clone = checkout("clone", 42)
     later = time.time() + 60
     for path in (clone, clone.with_suffix(".h")):
         os.utime(path, (later, later))  # newer than every build output
     again = load_in_new_process(cache, clone)
     assert "answer 42" in again.stdout, again.stderr
-    assert {path.name: path.stat().st_mtime_ns for path in built_dir.iterdir()} == outputs  # nothing compiled
+    assert built_outputs(built_dir) == outputs  # nothing compiled
     assert len(list((cache / "torch_extensions").iterdir())) == 1
 
     changed = load_in_new_process(cache, checkout("changed", 43))
     assert "answer 43" in changed.stdout, changed.stderr
     assert len(list((cache / "torch_extensions").iterdir())) == 2
-    assert {path.name: path.stat().st_mtime_ns for path in built_dir.iterdir()} == outputs
+    assert built_outputs(built_dir) == outputs
+
+
+def _fake_build(root: Path, name: str, age_days: float | None) -> Path:
+    """A build directory of ``name`` last used ``age_days`` ago (None: never marked used)."""
+    build_dir = root / name
+    build_dir.mkdir(parents=True)
+    (build_dir / "tandem.flock").touch()
+    (build_dir / "lib.so").write_bytes(b"x" * 100)
+    if age_days is not None:
+        (build_dir / "tandem.used").touch()
+        then = time.time() - age_days * 86400
+        os.utime(build_dir / "tandem.used", (then, then))
+    return build_dir
+
+
+def test_a_load_removes_the_kernels_old_builds_that_nobody_uses(built, tmp_path):
+    """Every source or flag change builds a directory of its own; loading the kernel removes
+    its other directories unused for STALE_BUILD_DAYS, unless a process holds one, and leaves
+    the recent ones, other kernels' and anything not named as a build."""
+    cache, source, build_dir = built
+    root = build_dir.parent
+    old = _fake_build(root, f"{NAME}-0123456789abcdef", kernel_build.STALE_BUILD_DAYS + 1)
+    recent = _fake_build(root, f"{NAME}-1123456789abcdef", kernel_build.STALE_BUILD_DAYS - 1)
+    held = _fake_build(root, f"{NAME}-2123456789abcdef", kernel_build.STALE_BUILD_DAYS + 1)
+    other_kernel = _fake_build(root, f"{NAME}_other-0123456789abcdef", kernel_build.STALE_BUILD_DAYS + 1)
+    not_a_build = _fake_build(root, f"{NAME}-notes", kernel_build.STALE_BUILD_DAYS + 1)
+    try:
+        with open(held / "tandem.flock", "a+") as handle:  # a process building or loading it now
+            fcntl.flock(handle, fcntl.LOCK_EX)
+            done = load_in_new_process(cache, source)
+        assert "answer 42" in done.stdout, done.stderr
+        assert not old.exists()
+        assert all(path.is_dir() for path in (recent, held, other_kernel, not_a_build, build_dir))
+        assert time.time() - (build_dir / "tandem.used").stat().st_mtime < 120  # marked used now
+    finally:
+        for path in (old, recent, held, other_kernel, not_a_build):
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def test_prune_stale_keeps_what_it_was_asked_to_keep(tmp_path):
+    keep = _fake_build(tmp_path, "k-0000000000000000", 100)
+    stale = _fake_build(tmp_path, "k-1111111111111111", 100)
+    unmarked = _fake_build(tmp_path, "k-2222222222222222", None)  # made just now
+    assert kernel_build.prune_stale("k", keep, 86400) == [stale]
+    assert keep.is_dir() and unmarked.is_dir() and not stale.exists()
+
+
+def test_a_lock_taken_on_a_directory_removed_meanwhile_is_taken_again(tmp_path):
+    """A process waiting for a build directory's flock while a pruner removes the directory
+    ends up holding the flock of the directory made again, which excludes the next taker."""
+    build_dir = tmp_path / f"{NAME}-0123456789abcdef"
+    holding = threading.Event()
+
+    def prune() -> None:
+        with kernel_build.build_lock(build_dir, 5):
+            holding.set()
+            time.sleep(0.5)
+            shutil.rmtree(build_dir)
+
+    pruner = threading.Thread(target=prune)
+    pruner.start()
+    assert holding.wait(5)
+    with kernel_build.build_lock(build_dir, 10):
+        assert (build_dir / "tandem.flock").exists()
+        with pytest.raises(TimeoutError):
+            with kernel_build.build_lock(build_dir, 0.2):
+                pass
+    pruner.join(10)
