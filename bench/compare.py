@@ -34,7 +34,12 @@ same rate get the same requests at the same times. The search assumes attainment
 the rate rises. ``--capacity-min``/``--capacity-max`` bound the rates it tries and
 ``--capacity-step`` the ratio it stops at: where a rate of 48 requests takes ten minutes, a
 bracket (say, two rates a factor of two apart) is what a session can measure; the table then
-says "below" or "at least" where a bound was reached.
+says "below" or "at least" where a bound was reached. With ``--repeat N`` a capacity search runs
+N sets of requests at each rate (each on prompts and arrivals of its own, the same for every
+contender) and passes a rate on all of them together: on long prompts near a capacity one set of
+48 requests passes or fails on one or two of them, and three sets at vLLM's capacity ranked the
+two servers the other way round from the search on one (docs/benchmarks.md "Each server alone
+for its turn").
 """
 
 from __future__ import annotations
@@ -289,10 +294,20 @@ def capacity_search(bounds: CapacityBounds = CapacityBounds()) -> Generator[floa
 @dataclass(frozen=True)
 class CapacitySearch:
     """``--capacity``: the search's rules, and ``workload(rate)``, the requests for a rate (the
-    same for every contender)."""
+    same for every contender). With ``sets`` > 1 (``--capacity --repeat N``) a rate runs that
+    many sets of requests, ``workload(rate, index)``, each on arrivals of its own, and passes on
+    their requests taken together: near a capacity one set of 48 passes or fails on one or two
+    requests."""
 
-    workload: Callable[[float], list[BenchRequest]]
+    workload: Callable[..., list[BenchRequest]]
     bounds: CapacityBounds = CapacityBounds()
+    sets: int = 1
+
+    def rate_sets(self, rate: float, seed: int) -> list[tuple[list[BenchRequest], int]]:
+        """The sets a rate runs: (requests, the seed of their arrivals) each."""
+        if self.sets == 1:
+            return [(self.workload(rate), seed)]
+        return [(self.workload(rate, index), seed + ROUND_SEED_STRIDE * index) for index in range(self.sets)]
 
 
 def capacity_workload(dataset: str, num_prompts: int, duration_s: float, seed: int,
@@ -302,9 +317,9 @@ def capacity_workload(dataset: str, num_prompts: int, duration_s: float, seed: i
     saturation); drawn from the seed and the rate, the same for every contender."""
     import math
 
-    def workload(rate: float) -> list[BenchRequest]:
+    def workload(rate: float, index: int = 0) -> list[BenchRequest]:
         count = max(num_prompts, math.ceil(duration_s * rate))
-        return make_dataset(dataset, count, seed + round(rate * 10_000), spec)
+        return make_dataset(dataset, count, seed + round(rate * 10_000) + ROUND_SEED_STRIDE * index, spec)
 
     return workload
 
@@ -332,6 +347,7 @@ def compare(contenders: list[Contender], workloads: list[list[BenchRequest]], ra
     (else a later rate would hit the prefix cache the earlier one filled), the same for every
     contender. The first contender also calibrates the TPOT SLO when none is given."""
     runs: dict[str, dict[float, dict]] = {}
+    sets: dict[str, dict[float, list[dict]]] = {}  # with capacity.sets > 1: every set's summary
     notes: dict[str, list[str]] = {}
     capacities: dict[str, Capacity] = {}
     unloaded = 0.0
@@ -353,16 +369,50 @@ def compare(contenders: list[Contender], workloads: list[list[BenchRequest]], ra
                 say(_line(contender.name, rate, summary))
                 return summary
 
+            def attainment(rate: float) -> float:
+                summaries = _measure_rate(contender, base_url, ignore_eos, rate, capacity, seed, slo_ttft_ms,
+                                          slo_tpot_ms, contender.name, say)
+                _record(runs, sets, contender.name, rate, summaries, capacity)
+                return _share_met(summaries)
+
             if capacity is None:
                 for rate, requests in zip(rates, workloads, strict=True):
                     measure(rate, requests)
             else:
-                found = find_capacity(lambda r: measure(r, capacity.workload(r))["slo_attainment"], capacity.bounds)
+                found = find_capacity(attainment, capacity.bounds)
                 capacities[contender.name] = found
                 say(f"{contender.name}: capacity {_capacity(found)}")
     return CompareResult(slo_tpot_ms, slo_ttft_ms, unloaded, runs, {c.name: c.description for c in contenders}, notes,
                          {c.name: _command_line(c) for c in contenders}, capacities,
-                         capacity.bounds if capacity is not None else None)
+                         capacity.bounds if capacity is not None else None, rounds=sets)
+
+
+def _measure_rate(contender: Contender, base_url: str, ignore_eos: bool, rate: float, capacity: CapacitySearch,
+                  seed: int, slo_ttft_ms: float | None, slo_tpot_ms: float, label: str, say) -> list[dict]:
+    """A capacity search's rate: each of its sets of requests (``CapacitySearch.rate_sets``) in
+    turn against a started contender; a summary per set."""
+    summaries = []
+    for index, (requests, arrivals) in enumerate(capacity.rate_sets(rate, seed)):
+        tag = f" set {index + 1}" if capacity.sets > 1 else ""
+        summary = _measure(contender, base_url, ignore_eos, rate, requests, arrivals, slo_ttft_ms, slo_tpot_ms,
+                           label + tag)
+        say(_line(label + tag, rate, summary))
+        summaries.append(summary)
+    return summaries
+
+
+def _record(runs: dict, sets: dict, name: str, rate: float, summaries: list[dict], capacity: CapacitySearch) -> None:
+    """A rate's summaries: the first in ``runs``, and all of them in ``sets`` where a rate has
+    several."""
+    runs.setdefault(name, {})[rate] = summaries[0]
+    if capacity.sets > 1:
+        sets.setdefault(name, {})[rate] = summaries
+
+
+def _share_met(summaries: list[dict]) -> float:
+    """The share of every set's requests together that met both SLOs."""
+    total = sum(s["num_requests"] for s in summaries)
+    return sum(_met_count(s) for s in summaries) / total if total else 0.0
 
 
 def _started(contender: Contender, base_url: str, warm_up: list[BenchRequest]) -> bool:
@@ -482,6 +532,7 @@ def compare_capacities(contenders: list[Contender], capacity: CapacitySearch, se
     (``Turns``). A contender whose search is done sits out. A rate's requests are the same for
     every contender that tries it."""
     runs: dict[str, dict[float, dict]] = {c.name: {} for c in contenders}
+    sets: dict[str, dict[float, list[dict]]] = {}  # with capacity.sets > 1: every set's summary
     capacities: dict[str, Capacity] = {}
     unloaded = None
     searches = {c.name: capacity_search(capacity.bounds) for c in contenders}
@@ -496,12 +547,11 @@ def compare_capacities(contenders: list[Contender], capacity: CapacitySearch, se
                 with turns.turn(contender) as (base_url, ignore_eos):
                     if unloaded is None:  # the first turn is the first contender's
                         unloaded, slo_tpot_ms = _calibrated(contender, base_url, calibration, slo_tpot_ms, say)
-                    summary = _measure(contender, base_url, ignore_eos, rate, capacity.workload(rate), seed,
-                                       slo_ttft_ms, slo_tpot_ms, f"{contender.name} turn {turn + 1}")
-                    say(_line(f"{contender.name} #{turn + 1}", rate, summary))
-                runs[contender.name][rate] = summary
+                    summaries = _measure_rate(contender, base_url, ignore_eos, rate, capacity, seed, slo_ttft_ms,
+                                              slo_tpot_ms, f"{contender.name} #{turn + 1}", say)
+                _record(runs, sets, contender.name, rate, summaries, capacity)
                 try:
-                    pending[contender.name] = searches[contender.name].send(summary["slo_attainment"])
+                    pending[contender.name] = searches[contender.name].send(_share_met(summaries))
                 except StopIteration as done:
                     capacities[contender.name] = done.value
                     del pending[contender.name]
@@ -509,7 +559,7 @@ def compare_capacities(contenders: list[Contender], capacity: CapacitySearch, se
             turn += 1
     notes = turns.notes
     return CompareResult(slo_tpot_ms, slo_ttft_ms, unloaded, runs, {c.name: c.description for c in contenders}, notes,
-                         {c.name: _command_line(c) for c in contenders}, capacities, capacity.bounds)
+                         {c.name: _command_line(c) for c in contenders}, capacities, capacity.bounds, rounds=sets)
 
 
 # what rounds_table reports for each round: (column, the figure from a summary)
@@ -603,16 +653,24 @@ def capacity_table(result: CompareResult) -> str:
     lines = ["| server | capacity (req/s) | lowest failing rate | rates tried (SLOs met) | SLOs met at "
              "capacity | TTFT p90 (ms) | TPOT p90 (ms) | ITL p99 (ms) |", "|---|---|---|---|---|---|---|---|"]
     for name, found in result.capacities.items():
-        tried = ", ".join(f"{rate:.3g} ({_met(result.runs[name][rate])})" for rate, _ in found.tried)
-        s = result.runs[name].get(found.rate) if found.rate is not None else None
-        at = ("- | - | - | -" if s is None else
-              f"{_met(s)} | {_num(s['ttft_ms']['p90'])} | "
-              f"{_num(s['tpot_ms']['p90'])} | {_num(s['itl_ms']['p99'])}")
+        tried = ", ".join(f"{rate:.3g} ({_rate_figures(result, name, rate)[0]})" for rate, _ in found.tried)
+        if found.rate is None or found.rate not in result.runs[name]:
+            at = "- | - | - | -"
+        else:
+            met, figures = _rate_figures(result, name, found.rate)
+            at = " | ".join([met] + [_num(figures[column]) for column in ("TTFT p90", "TPOT p90", "ITL p99")])
         lines.append(f"| {name} | {'-' if found.rate is None else format(found.rate, '.3g')} | "
                      f"{'-' if found.ceiling is None else format(found.ceiling, '.3g')} | {tried} | {at} |")
     lines.append(f"\ncapacity: the highest Poisson rate at which at least {bounds.target:.0%} of the requests met both "
                  f"SLOs; the lowest failing rate is at most {bounds.step - 1:.0%} above it")
     return "\n".join(lines)
+
+
+def _rate_figures(result: CompareResult, name: str, rate: float) -> tuple[str, dict[str, float | None]]:
+    """A rate's SLOs met ("met/requests") and POOLED_FIGURES: over all its sets where it ran
+    several (``--capacity --repeat``), else its one run's."""
+    met, total, figures = pooled_figures(result.rounds.get(name, {}).get(rate) or [result.runs[name][rate]])
+    return f"{met}/{total}", figures
 
 
 def _met_count(summary: dict) -> int:
@@ -783,10 +841,11 @@ def add_compare_args(compare, default_model: str) -> None:
     compare.add_argument("--warm-up", type=int, default=4, help="unmeasured requests each contender gets first")
     compare.add_argument("--sweep", default="0.1,0.2,0.4", help="comma-separated request rates (Poisson)")
     compare.add_argument("--repeat", type=int, default=1,
-                         help="run the --sweep this many rounds, each on requests and arrivals of its own seed, with "
-                              "every contender started at once and taking turns rate by rate; the table gives each "
-                              "figure's median and range, and its ratio to vLLM's (else the first contender's) "
-                              "within each round")
+                         help="run the --sweep this many rounds, each on requests and arrivals of its own seed, the "
+                              "contenders taking turns rate by rate; the table gives each figure's median and range, "
+                              "and its ratio to vLLM's (else the first contender's) within each round, then every "
+                              "round's requests together. With --capacity: this many sets of requests per rate, "
+                              "the rate passing on all of them together")
     compare.add_argument("--capacity", action="store_true",
                          help="search each contender's capacity (the highest rate at which 90%% of requests meet "
                               "both SLOs, to within 10%%) instead of running --sweep")
@@ -856,8 +915,8 @@ def run_compare(args) -> int:
         n for n in CONTENDERS if n != "vllm" or args.vllm_python)).split(",") if n.strip()]
     if args.no_transformers:
         names = [n for n in names if n != "transformers"]
-    if args.repeat < 1 or (args.repeat > 1 and (args.capacity or args.traffic_mix)):
-        raise SystemExit("--repeat takes a count of at least 1, and is for a fixed --sweep (not --capacity or "
+    if args.repeat < 1 or (args.repeat > 1 and args.traffic_mix):
+        raise SystemExit("--repeat takes a count of at least 1, and is for a fixed --sweep or --capacity (not "
                          "--traffic-mix)")
     if args.interleave and not args.capacity:
         raise SystemExit("--interleave is for --capacity (a fixed --sweep interleaves with --repeat)")
@@ -873,7 +932,7 @@ def run_compare(args) -> int:
                                     waits, policies)
     calibration = make_dataset(args.dataset, 3, args.seed + 1000, spec)  # prompts of their own, same shape
     warm_up = make_dataset(args.dataset, args.warm_up, args.seed + 2000, spec)
-    if args.repeat > 1:
+    if args.repeat > 1 and not args.capacity:
         rounds = [workloads] + [[make_dataset(args.dataset, args.num_prompts, args.seed + ROUND_SEED_STRIDE * r + i,
                                               spec) for i in range(len(rates))] for r in range(1, args.repeat)]
         result = compare_rounds(contenders, rounds, rates, args.seed, args.slo_tpot_ms, args.slo_ttft_ms, calibration,
@@ -888,7 +947,7 @@ def run_compare(args) -> int:
         bounds = CapacityBounds(start=args.capacity_start, step=args.capacity_step, min_rate=args.capacity_min,
                                 max_rate=args.capacity_max)
         search = CapacitySearch(capacity_workload(args.dataset, args.num_prompts, args.capacity_duration, args.seed,
-                                                  spec), bounds)
+                                                  spec), bounds, sets=args.repeat)
     if search is not None and args.interleave:
         result = compare_capacities(contenders, search, args.seed, args.slo_tpot_ms, args.slo_ttft_ms, calibration,
                                     warm_up=warm_up, alone=args.turns == "alone")
@@ -900,11 +959,17 @@ def run_compare(args) -> int:
     return 0
 
 
+def _interleaved(args, result: CompareResult, capacity: bool) -> bool:
+    """The contenders took turns: rounds of a fixed sweep, or capacity searches with --interleave."""
+    return bool(capacity and args.interleave) or bool(result.rounds and not capacity)
+
+
 def _print_compare(args, result: CompareResult, reference: str, capacity: bool) -> None:
     from bench.machine import describe
 
-    interleaved = bool(result.rounds) or (capacity and args.interleave)
-    rounds = f" in each of {args.repeat} interleaved rounds" if result.rounds else ""
+    interleaved = _interleaved(args, result, capacity)
+    rounds = f" in each of {args.repeat} interleaved rounds" if result.rounds and not capacity else ""
+    rounds += f", {args.repeat} sets of them per rate, taken together" if capacity and args.repeat > 1 else ""
     rounds += ", the contenders' capacity searches taking turns rate by rate" if capacity and args.interleave else ""
     rounds += (", each contender started for its turn alone" if args.turns == "alone" else
                ", every contender up throughout") if interleaved else ""
@@ -956,7 +1021,7 @@ def _save_compare(args, result: CompareResult, rates: list[float], capacity: boo
 
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    interleaved = bool(result.rounds) or bool(capacity and args.interleave)
+    interleaved = _interleaved(args, result, capacity)
     (out / "compare.json").write_text(compact_json({
         "machine": describe(), "dataset": args.dataset, "num_prompts": args.num_prompts, "seed": args.seed,
         "rates": rates,
@@ -965,6 +1030,7 @@ def _save_compare(args, result: CompareResult, rates: list[float], capacity: boo
         "command_lines": result.command_lines, "warm_up_requests": args.warm_up,
         "interleaved": interleaved,
         "turns": args.turns if interleaved else None,
+        "sets_per_rate": args.repeat if capacity else None,
         "runs": {name: {str(rate): s for rate, s in by_rate.items()} for name, by_rate in result.runs.items()},
         "rounds": {name: {str(rate): s for rate, s in by_rate.items()} for name, by_rate in result.rounds.items()},
         "capacities": {name: {"rate": c.rate, "lowest_failing_rate": c.ceiling, "tried": c.tried}

@@ -353,17 +353,34 @@ def test_compare_capacities_take_turns_rate_by_rate(scripted_server, monkeypatch
     assert "| b | 2.83 | 4 | 4 (1/2), 2 (2/2), 2.83 (2/2) |" in capacity_table(result)
 
 
-def test_compare_repeat_flag_is_for_a_fixed_sweep():
+def test_compare_repeat_flag_is_for_a_sweep_or_a_capacity_search(monkeypatch):
+    from bench import compare as compare_module
     from bench.compare import run_compare
     from cluster.cli import build_parser
 
     assert build_parser().parse_args(["bench", "compare"]).repeat == 1
-    for extra in (["--repeat", "0"], ["--repeat", "2", "--capacity"]):
+    for extra in (["--repeat", "0"], ["--repeat", "2", "--traffic-mix", "a:1"]):
         with pytest.raises(SystemExit, match="--repeat"):
             run_compare(build_parser().parse_args(["bench", "compare", *extra]))
     with pytest.raises(SystemExit, match="--interleave is for --capacity"):
         run_compare(build_parser().parse_args(["bench", "compare", "--interleave"]))
     assert build_parser().parse_args(["bench", "compare", "--capacity", "--interleave"]).interleave
+
+    class Started(Exception):
+        pass
+
+    def started(contenders, capacity, *args, **kwargs):
+        raise Started(capacity, kwargs.get("alone"))
+
+    monkeypatch.setattr(compare_module, "compare_capacities", started)
+    monkeypatch.setattr("engine.model_info.load_model_info", lambda model: type("Info", (), {"model_dir": "/m"}))
+    with pytest.raises(Started) as caught:
+        run_compare(build_parser().parse_args(["bench", "compare", "--capacity", "--interleave", "--repeat", "3",
+                                               "--contenders", "colocated"]))
+    search, alone = caught.value.args
+    assert search.sets == 3 and alone is True
+    stride = compare_module.ROUND_SEED_STRIDE
+    assert [seed for _, seed in search.rate_sets(1.0, 5)] == [5 + stride * i for i in range(3)]
 
 
 def test_transformers_serve_contender_runs_the_workload(smollm_dir):
@@ -665,3 +682,55 @@ def test_a_launched_server_started_again_waits_for_its_own_ready_line():
         finally:
             launched.stop()
     assert pids[0] != pids[1] and launched.process.poll() is not None
+
+
+@pytest.mark.parametrize("interleave", [True, False], ids=["interleaved", "one-after-another"])
+def test_a_capacity_search_with_sets_passes_a_rate_on_all_its_sets_together(scripted_server, monkeypatch,
+                                                                            interleave):
+    """--capacity --repeat 2: each rate runs two sets of requests (their own prompts and
+    arrivals, the same for every contender) and passes on their requests together: a set of
+    2/2 and one of 1/2 make 3/4, under 90%, where the first set alone would pass."""
+    from contextlib import nullcontext
+
+    from bench import compare as compare_module
+    from bench.compare import (
+        ROUND_SEED_STRIDE,
+        CapacityBounds,
+        CapacitySearch,
+        Contender,
+        capacity_table,
+        compare,
+        compare_capacities,
+    )
+
+    measured, real = [], compare_module._measure
+
+    def measure(contender, base_url, ignore_eos, rate, requests, seed, *rest):
+        summary = real(contender, base_url, ignore_eos, rate, requests, seed, *rest)
+        index = len([m for m in measured if m[:2] == (contender.name, rate)])
+        measured.append((contender.name, rate, requests[0].prompt, seed))
+        # a passes every set below 6 req/s; b's second set at 4 req/s fails half its requests
+        failing = rate > 6 or (contender.name == "b" and rate == 4.0 and index == 1)
+        summary["slo_attainment"] = 0.5 if failing else 1.0
+        return summary
+
+    monkeypatch.setattr(compare_module, "_measure", measure)
+
+    def workload(rate, index=0):
+        return [BenchRequest(f"at {rate:.3f} set {index}", NUM_TOKENS, -1)] * 2
+
+    search = CapacitySearch(workload, CapacityBounds(start=4.0, min_rate=2.0, max_rate=8.0, step=2.0), sets=2)
+    contenders = [Contender(name, "scripted", [], lambda: nullcontext(scripted_server), "m") for name in "ab"]
+    run = compare_capacities if interleave else compare
+    extra = {} if interleave else {"workloads": [], "rates": []}
+    result = run(contenders, capacity=search, seed=7, slo_tpot_ms=None, slo_ttft_ms=None,
+                 calibration=[BenchRequest("hello", NUM_TOKENS, -1)] * 2, say=lambda line: None, **extra)
+    for name in "ab":
+        at_four = [(prompt, seed) for who, rate, prompt, seed in measured if (who, rate) == (name, 4.0)]
+        assert at_four == [("at 4.000 set 0", 7), ("at 4.000 set 1", 7 + ROUND_SEED_STRIDE)]
+    assert (result.capacities["a"].rate, result.capacities["a"].ceiling) == (4.0, 8.0)
+    assert (result.capacities["b"].rate, result.capacities["b"].ceiling) == (2.0, 4.0)  # 3/4 at 4 fails
+    assert [len(result.rounds["b"][rate]) for rate in (2.0, 4.0)] == [2, 2]
+    rendered = capacity_table(result)
+    assert "| b | 2 | 4 | 4 (3/4), 2 (4/4) | 4/4 |" in rendered
+    assert "| a | 4 | 8 | 4 (4/4), 8 (2/4) | 4/4 |" in rendered
