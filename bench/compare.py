@@ -348,40 +348,36 @@ def compare(contenders: list[Contender], workloads: list[list[BenchRequest]], ra
     contender. The first contender also calibrates the TPOT SLO when none is given."""
     runs: dict[str, dict[float, dict]] = {}
     sets: dict[str, dict[float, list[dict]]] = {}  # with capacity.sets > 1: every set's summary
-    notes: dict[str, list[str]] = {}
     capacities: dict[str, Capacity] = {}
-    unloaded = 0.0
-    for index, contender in enumerate(contenders):
-        say(f"== {contender.name}: {contender.description}")
-        with contender.launch() as base_url:
-            ignore_eos = _started(contender, base_url, warm_up)
-            notes[contender.name] = [] if ignore_eos else ["refuses ignore_eos: output lengths vary"]
-            if index == 0:
-                unloaded = unloaded_decode_step_ms(base_url, contender.model, calibration)
-                slo_tpot_ms = slo_tpot_ms or 3 * unloaded
-                say(f"unloaded decode step {unloaded:.1f} ms -> TPOT SLO {slo_tpot_ms:.1f} ms")
-            runs[contender.name] = {}
+    unloaded = None
+    with Turns(contenders, warm_up, say) as turns:
+        for contender in contenders:
+            with turns.turn(contender) as (base_url, ignore_eos):
+                if unloaded is None:  # the first contender's
+                    unloaded, slo_tpot_ms = _calibrated(contender, base_url, calibration, slo_tpot_ms, say)
+                runs[contender.name] = {}
 
-            def measure(rate: float, requests: list[BenchRequest]) -> dict:
-                summary = _measure(contender, base_url, ignore_eos, rate, requests, seed, slo_ttft_ms, slo_tpot_ms,
-                                   contender.name)
-                runs[contender.name][rate] = summary
-                say(_line(contender.name, rate, summary))
-                return summary
+                def measure(rate: float, requests: list[BenchRequest]) -> dict:
+                    summary = _measure(contender, base_url, ignore_eos, rate, requests, seed, slo_ttft_ms,
+                                       slo_tpot_ms, contender.name)
+                    runs[contender.name][rate] = summary
+                    say(_line(contender.name, rate, summary))
+                    return summary
 
-            def attainment(rate: float) -> float:
-                summaries = _measure_rate(contender, base_url, ignore_eos, rate, capacity, seed, slo_ttft_ms,
-                                          slo_tpot_ms, contender.name, say)
-                _record(runs, sets, contender.name, rate, summaries, capacity)
-                return _share_met(summaries)
+                def attainment(rate: float) -> float:
+                    summaries = _measure_rate(contender, base_url, ignore_eos, rate, capacity, seed, slo_ttft_ms,
+                                              slo_tpot_ms, contender.name, say)
+                    _record(runs, sets, contender.name, rate, summaries, capacity)
+                    return _share_met(summaries)
 
-            if capacity is None:
-                for rate, requests in zip(rates, workloads, strict=True):
-                    measure(rate, requests)
-            else:
-                found = find_capacity(attainment, capacity.bounds)
-                capacities[contender.name] = found
-                say(f"{contender.name}: capacity {_capacity(found)}")
+                if capacity is None:
+                    for rate, requests in zip(rates, workloads, strict=True):
+                        measure(rate, requests)
+                else:
+                    found = find_capacity(attainment, capacity.bounds)
+                    capacities[contender.name] = found
+                    say(f"{contender.name}: capacity {_capacity(found)}")
+    notes = turns.notes
     return CompareResult(slo_tpot_ms, slo_ttft_ms, unloaded, runs, {c.name: c.description for c in contenders}, notes,
                          {c.name: _command_line(c) for c in contenders}, capacities,
                          capacity.bounds if capacity is not None else None, rounds=sets)

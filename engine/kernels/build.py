@@ -72,7 +72,6 @@ def build(name: str, source: Path, extra_cflags: list[str]):
     module = None
     try:
         build_dir = build_directory(name, source, extra_cflags)
-        build_dir.mkdir(parents=True, exist_ok=True)
         with build_lock(build_dir, envs.kernel_build_timeout_s()):
             library, stamp = build_dir / f"{name}.so", build_dir / "tandem.ok"
             if library.exists() and stamp.exists() and stamp.read_text() == _identity(library):
@@ -107,10 +106,10 @@ def build(name: str, source: Path, extra_cflags: list[str]):
 
 @contextlib.contextmanager
 def build_lock(build_dir: Path, timeout_s: float):
-    """Hold ``build_dir``'s flock (TimeoutError after ``timeout_s``) and clear a ``lock`` file
-    that a dead process left for torch's builder. A flock taken on a directory that
-    ``prune_stale`` removed meanwhile guards nothing: the directory is made again and its new
-    flock taken."""
+    """Make ``build_dir`` if need be, hold its flock (TimeoutError after ``timeout_s``) and clear
+    a ``lock`` file that a dead process left for torch's builder. A flock taken on a directory
+    that ``prune_stale`` removed meanwhile guards nothing: the directory is made again and its
+    new flock taken."""
     deadline = time.monotonic() + timeout_s
     while True:
         build_dir.mkdir(parents=True, exist_ok=True)

@@ -14,7 +14,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-import threading
 import time
 from pathlib import Path
 
@@ -208,23 +207,28 @@ def test_prune_stale_keeps_what_it_was_asked_to_keep(tmp_path):
 
 
 def test_a_lock_taken_on_a_directory_removed_meanwhile_is_taken_again(tmp_path):
-    """A process waiting for a build directory's flock while a pruner removes the directory
-    ends up holding the flock of the directory made again, which excludes the next taker."""
+    """A process waiting for a build directory's flock while another process (a pruner) removes
+    the directory ends up holding the flock of the directory made again, which excludes the
+    next taker."""
     build_dir = tmp_path / f"{NAME}-0123456789abcdef"
-    holding = threading.Event()
-
-    def prune() -> None:
-        with kernel_build.build_lock(build_dir, 5):
-            holding.set()
-            time.sleep(0.5)
+    pruner = subprocess.Popen([sys.executable, "-c", textwrap.dedent("""
+        import shutil, sys, time
+        from pathlib import Path
+        from engine.kernels.build import build_lock
+        build_dir = Path(sys.argv[1])
+        with build_lock(build_dir, 5):
+            print("holding", flush=True)
+            time.sleep(1.0)
             shutil.rmtree(build_dir)
-
-    pruner = threading.Thread(target=prune)
-    pruner.start()
-    assert holding.wait(5)
-    with kernel_build.build_lock(build_dir, 10):
-        assert (build_dir / "tandem.flock").exists()
-        with pytest.raises(TimeoutError):
-            with kernel_build.build_lock(build_dir, 0.2):
-                pass
-    pruner.join(10)
+    """), str(build_dir)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert pruner.stdout.readline().strip() == "holding"
+        with kernel_build.build_lock(build_dir, 30):
+            assert pruner.wait(timeout=30) == 0  # it removed the directory while this one waited
+            assert (build_dir / "tandem.flock").exists()
+            with pytest.raises(TimeoutError):
+                with kernel_build.build_lock(build_dir, 0.2):
+                    pass
+    finally:
+        pruner.kill()
+        pruner.wait(timeout=10)
