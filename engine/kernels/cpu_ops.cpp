@@ -142,8 +142,8 @@ constexpr int64_t kChunk = 512;
 
 // residual += delta (rounded to the model dtype, as an eager add would), then
 // out = rms_norm(residual) * weight. With delta None: out = rms_norm(residual), residual kept.
-at::Tensor add_rms_norm_(at::Tensor residual, c10::optional<at::Tensor> delta,
-                         at::Tensor weight, double eps) {
+at::Tensor add_rms_norm_(const at::Tensor& residual, const c10::optional<at::Tensor>& delta,
+                         const at::Tensor& weight, double eps) {
   check_rows(residual, "add_rms_norm_");
   const int64_t rows = residual.size(0), hidden = residual.size(1);
   TORCH_CHECK(weight.numel() == hidden && weight.is_contiguous() && weight.scalar_type() == residual.scalar_type(),
@@ -184,7 +184,7 @@ at::Tensor add_rms_norm_(at::Tensor residual, c10::optional<at::Tensor> delta,
 }
 
 // gate_up: [rows, 2 * I] (gate then up) -> silu(gate) * up: [rows, I]
-at::Tensor silu_mul(at::Tensor gate_up) {
+at::Tensor silu_mul(const at::Tensor& gate_up) {
   check_rows(gate_up, "silu_mul");
   TORCH_CHECK(gate_up.size(1) % 2 == 0, "silu_mul: the last dimension must be even");
   const int64_t rows = gate_up.size(0), inter = gate_up.size(1) / 2;
@@ -211,7 +211,8 @@ at::Tensor silu_mul(at::Tensor gate_up) {
 
 // In place: rotate heads [0, num_heads) of x [tokens, heads, head_dim] (interleaved pairs
 // (x_2j, x_2j+1)) by the angles of each token's position: cos/sin [max_pos, head_dim / 2].
-void rope_(at::Tensor x, at::Tensor positions, at::Tensor cos, at::Tensor sin, int64_t num_heads) {
+void rope_(const at::Tensor& x, const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin,
+           int64_t num_heads) {
   TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1, "rope_: x must be [tokens, heads, head_dim] with unit stride");
   TORCH_CHECK(positions.scalar_type() == at::kLong && positions.numel() == x.size(0), "rope_: int64 positions [tokens]");
   TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
@@ -714,8 +715,8 @@ bool attend_bf16(const scalar_t* query, int64_t q_head, int64_t heads, int64_t h
 // online softmax (head_dim 64 or 128, group 1-8 and blocks of at most 32 slots through
 // attend_split_fixed, other shapes through attend_split; bfloat16 on CPUs with AVX512_BF16
 // through attend_split_bf16); the splits of a (sequence, KV head) are then merged in order.
-at::Tensor paged_decode_attention(at::Tensor query, at::Tensor kv_cache, at::Tensor block_tables,
-                                  at::Tensor seq_lens, double scale) {
+at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& block_tables,
+                                  const at::Tensor& seq_lens, double scale) {
   TORCH_CHECK(query.dim() == 3 && query.stride(2) == 1, "paged_decode_attention: query [n, heads, head_dim]");
   TORCH_CHECK(kv_cache.dim() == 4 && kv_cache.is_contiguous(), "paged_decode_attention: contiguous kv_cache");
   TORCH_CHECK(kv_cache.scalar_type() == query.scalar_type(), "paged_decode_attention: dtype mismatch");
@@ -817,7 +818,7 @@ at::Tensor paged_decode_attention(at::Tensor query, at::Tensor kv_cache, at::Ten
 // y = x W^T (+ b) in float32 for a few rows of x (decode batches): each weight row is read from
 // memory once and dotted with every row of x while it sits in L1. BLAS kernels treat a
 // handful of rows as that many matrix-vector products and stream the weight once per row.
-at::Tensor skinny_linear_f32(at::Tensor x, at::Tensor weight, c10::optional<at::Tensor> bias) {
+at::Tensor skinny_linear_f32(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat,
               "skinny_linear_f32: contiguous float32 x [rows, in]");
   TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous() && weight.scalar_type() == at::kFloat &&
@@ -848,7 +849,10 @@ at::Tensor skinny_linear_f32(at::Tensor x, at::Tensor weight, c10::optional<at::
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // Each kernel runs without the GIL (its arguments are converted first, its result after),
   // so that the worker's other Python threads (gRPC, KV transport, the prefill lane) go on
-  // while it computes.
+  // while it computes. They take their tensors by reference: a tensor taken by value is
+  // released when the kernel returns, still without the GIL, and releasing the last C++
+  // reference beside a Python one drops a Python reference, which waits for the GIL (up to a
+  // switch interval, 5 ms, while another thread runs Python).
   const auto kNoGil = py::call_guard<py::gil_scoped_release>();
   m.def("add_rms_norm_", &add_rms_norm_, "residual += delta; rms_norm(residual) * weight", kNoGil);
   m.def("silu_mul", &silu_mul, "silu(gate) * up", kNoGil);

@@ -79,7 +79,7 @@ void dispatch_batch(int64_t B, const at::BFloat16* xp, const at::BFloat16* wp, c
 
 }  // namespace
 
-at::Tensor gemv_bf16(at::Tensor x, at::Tensor w, c10::optional<at::Tensor> bias, bool float_out) {
+at::Tensor gemv_bf16(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias, bool float_out) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2, "gemv_bf16: x [B, K] and w [N, K]");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16, "gemv_bf16: bfloat16 only");
   TORCH_CHECK(x.size(1) == w.size(1), "gemv_bf16: K mismatch ", x.size(1), " vs ", w.size(1));

@@ -230,7 +230,7 @@ bool available() {
 // positions [seq_len - q_len, seq_len); kv_cache [blocks, block_size, 2 * kv_heads, head_dim]
 // bf16, holding the chunk's own keys and values already; block_table [>= ceil(seq_len /
 // block_size)] int64. Returns [q_len, heads, head_dim] bf16.
-at::Tensor paged_prefill_attention(at::Tensor query, at::Tensor kv_cache, at::Tensor block_table,
+at::Tensor paged_prefill_attention(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& block_table,
                                    int64_t seq_len, double scale) {
   TORCH_CHECK(available(), "paged_prefill_attention: built without AVX512_BF16");
   TORCH_CHECK(query.dim() == 3 && query.stride(2) == 1 && query.scalar_type() == at::kBFloat16,
