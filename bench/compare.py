@@ -335,7 +335,8 @@ class CompareResult:
     command_lines: dict[str, str] = field(default_factory=dict)  # contender -> env and command as started
     capacities: dict[str, Capacity] = field(default_factory=dict)  # with a capacity search
     capacity_bounds: CapacityBounds | None = None  # the search's rules, with a capacity search
-    # with --repeat: contender -> rate -> one summary per round (``runs`` holds round 0's)
+    # with --repeat: contender -> rate -> one summary per round of a fixed sweep, or per set of
+    # requests at a capacity search's rate (``runs`` holds the first); the rounds tables show both
     rounds: dict[str, dict[float, list[dict]]] = field(default_factory=dict)
 
 
