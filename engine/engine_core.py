@@ -354,11 +354,12 @@ class EngineCore:
             self._lane_start()
         scheduled = self.scheduler.schedule()
         if self.lane is not None and self.lane.busy:
-            # with nothing to step, the lane may compute on every thread until there is again
+            # with nothing to step, this thread computes the lane's prompt on every thread until
+            # there is again, a layer per call
             if scheduled.seqs:
                 self.lane.narrow()
             else:
-                self.lane.widen(self.num_threads)
+                self._help_lane()
         if not scheduled.seqs:
             return failed_outputs
         self._count_prompt_tokens(scheduled)
@@ -425,8 +426,22 @@ class EngineCore:
             outputs += self._lane_result(result)
         if not self.lane.busy:
             torch.set_num_threads(self.num_threads)
-            self.lane.narrow(timeout_s=0.0)  # it computes nothing: the next prompt starts on its own threads
+            self.lane.narrow()  # it computes nothing: the next prompt starts on the lane's thread
         return outputs
+
+    def _help_lane(self) -> None:
+        """Nothing to step: compute the next layer of the lane's prompt here, on every thread
+        (PrefillLane.widen)."""
+        self.lane.widen()
+        torch.set_num_threads(self.num_threads)
+        try:
+            self.lane.help()
+        finally:
+            torch.set_num_threads(self.num_threads - self.lane.threads)
+
+    def lane_wants_help(self) -> bool:
+        """This thread holds the lane's prompt and it has layers left (the loop steps on)."""
+        return self.lane is not None and self.lane.wants_help()
 
     def _lane_result(self, result: LaneResult) -> list[EngineCoreOutput]:
         request_id = result.seq.request_id

@@ -10,7 +10,8 @@ batch of them (a step's, an abort's), so that a listener can queue and the hook 
 batch to another thread with one wake-up.
 
 The engine thread also builds the core (model load, weight packing, warm-up), so that it is
-the only thread of the process that runs OpenMP parallel regions. Each thread that starts one
+the only thread of the process that runs OpenMP parallel regions of more than one thread (the
+prefill lane's thread runs its own on one: engine/prefill_lane.py). Each thread that starts one
 gets a team of OpenMP threads of its own, and once a process's OpenMP threads outnumber its
 CPUs, libgomp cuts the spin-wait of every team's barrier to about a hundred spins: its threads
 then sleep and wake at each of the step's few hundred parallel regions. A model loaded on the
@@ -249,7 +250,7 @@ class EngineLoop:
 
     def _has_runnable(self) -> bool:
         scheduler = self.core.scheduler
-        return bool(scheduler.running or scheduler.waiting) or not self._calls.empty()
+        return bool(scheduler.running or scheduler.waiting) or not self._calls.empty() or self.core.lane_wants_help()
 
     def _dispatch(self, outputs: list[EngineCoreOutput]) -> None:
         for output in outputs:

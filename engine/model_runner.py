@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 
 import torch
 
@@ -36,21 +36,37 @@ class ModelRunner:
         self.num_tokens_processed = 0  # tokens fed through the model (prefix-cache hits are not)
         # prefill role: receives (request id, layer, first position, kv) after each layer
         self.on_layer_kv: Callable[[str, int, int, torch.Tensor], None] | None = None
-        # called with the layer's index after each layer (the prefill lane: engine/prefill_lane.py)
-        self.after_layer: Callable[[int], None] | None = None
 
     @torch.inference_mode()
     def execute(self, scheduled: SchedulerOutput) -> RunnerOutput:
         if not scheduled.seqs:
             return RunnerOutput(sampled={}, prompt_logprobs={})
-        # decodes first: the backend batches them in one padded attention
-        seqs = sorted(scheduled.seqs, key=lambda s: len(s.token_ids) != 1)
-        hook = self._layer_hook(seqs)
+        seqs = self._ordered(scheduled)
+        hook = self._export_hook(seqs)
         graphs = self.decode_graphs
         if graphs is not None and hook is None and graphs.fits(seqs):
             self.num_forward_calls += 1
             self.num_tokens_processed += len(seqs)
             return self._sample(seqs, graphs.run(seqs))
+        return self._sample(seqs, self.model(*self._inputs(seqs), hook))
+
+    @torch.inference_mode()
+    def execute_layers(self, scheduled: SchedulerOutput) -> Generator[int, None, RunnerOutput]:
+        """``execute`` one layer per ``next()`` (eager: no decode graphs): yields after each
+        layer and returns the step's output. Any thread may resume it, one at a time; each layer
+        runs on the resuming thread's torch threads (the prefill lane: engine/prefill_lane.py)."""
+        seqs = self._ordered(scheduled)
+        hidden = yield from self.model.forward_layers(*self._inputs(seqs), self._export_hook(seqs))
+        return self._sample(seqs, hidden)
+
+    @staticmethod
+    def _ordered(scheduled: SchedulerOutput) -> list[ScheduledSeq]:
+        # decodes first: the backend batches them in one padded attention
+        return sorted(scheduled.seqs, key=lambda s: len(s.token_ids) != 1)
+
+    def _inputs(self, seqs: list[ScheduledSeq]) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor], object]:
+        """The model's inputs for ``seqs`` (decodes first): token ids, positions, the KV tensors
+        and the attention metadata; counts the forward."""
         bs = self.kv_cache.block_size
         num_decodes = sum(1 for s in seqs if len(s.token_ids) == 1)
         # decodes: one position and one slot each, as plain ints (one tensor for all of them,
@@ -77,24 +93,9 @@ class ModelRunner:
         self.num_forward_calls += 1
         self.num_tokens_processed += len(input_ids)
         device = self.kv_cache.storage.device
-        hidden = self.model(
-            torch.tensor(input_ids, dtype=torch.int64).to(device),
-            (torch.cat(positions) if len(positions) > 1 else positions[0]).to(device),
-            self.kv_cache.layers, metadata, hook,
-        )  # [num_tokens, hidden]
-        return self._sample(seqs, hidden)
-
-    def _layer_hook(self, seqs: list[ScheduledSeq]) -> Callable[[int], None] | None:
-        """What runs after each layer: the KV export, then ``after_layer``."""
-        export, after = self._export_hook(seqs), self.after_layer
-        if export is None or after is None:
-            return export or after
-
-        def both(layer: int) -> None:
-            export(layer)
-            after(layer)
-
-        return both
+        return (torch.tensor(input_ids, dtype=torch.int64).to(device),
+                (torch.cat(positions) if len(positions) > 1 else positions[0]).to(device),
+                self.kv_cache.layers, metadata)
 
     def _export_hook(self, seqs: list[ScheduledSeq]) -> Callable[[int], None] | None:
         """Export each exporting sequence's KV. Positions this cache already held before the step

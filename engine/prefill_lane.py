@@ -16,9 +16,9 @@ long enough, while streams decode; under the ``overflow`` policy only while othe
 work is under way, under ``pace`` only while the streams are slower than its bound, under
 ``cost`` only then and when the lane costs the streams less than the steps would; one
 computing and one queued behind it), lends the lane
-one of its threads for as long as it holds any (all of them, from the lane's next layer on,
-while the engine thread has nothing to step: ``widen``, ``narrow``), and takes the results
-back between two steps;
+one of its threads for as long as it holds any (and while it has nothing to step, computes the
+lane's prompt itself on all of them, a layer at a time: ``widen``, ``help``, ``narrow``), and
+takes the results back between two steps;
 each request then joins the batch with its first token, as one whose KV came from a prefill
 worker does. While the lane is full, the next prompt for it waits at the head of the queue
 rather than stall the streams in a step (and what arrived after it waits too): the streams'
@@ -41,7 +41,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from dataclasses import dataclass
 
 import torch
@@ -88,6 +88,10 @@ DEFAULT_PREFILL_LANE_POLICY = "pace"
 DEFAULT_PREFILL_LANE_PACE_MS = 80.0
 # the weight of the newest prompt in the moving average of the lane's ms per prompt token
 LANE_COST_SMOOTHING = 0.25
+# how long the engine thread may hold the lane's prompt (``PrefillLane.widen``) without computing
+# a layer of it before the lane thread takes it back: far longer than the engine loop takes
+# between two ``help`` calls, so only an engine thread stuck elsewhere loses it
+ENGINE_HOLD_S = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,7 +103,7 @@ class LaneResult:
     error: BaseException | None
     elapsed_s: float
     started: float  # time.monotonic() when the lane started computing it
-    widened: bool = False  # some of its layers ran on more than the lane's own threads (``widen``)
+    helped: bool = False  # the engine thread computed some of its layers (``widen``, ``help``)
 
 
 class PrefillLane:
@@ -119,16 +123,16 @@ class PrefillLane:
         self.threads = threads
         self.on_done = on_done
         self.depth = depth
-        # Threads the lane may use from its next layer on: ``threads``, or more while the engine
-        # thread has nothing to step (``widen``, ``narrow``). Under ``_lock`` with what follows.
-        self.width = threads
         self._lock = threading.Lock()
-        self._using = threads  # the lane thread's torch threads now
-        self._computing = False
-        # set while the lane computes on at most ``threads`` (or computes nothing)
-        self._within = threading.Event()
-        self._within.set()
-        runner.after_layer = self._fit
+        # Who computes the prompt's next layer: the lane thread, unless the engine thread holds
+        # the prompt (``widen`` until ``narrow``; it computes layers in ``help``). Under
+        # ``_lock`` (``_turns`` waits on it) with what follows.
+        self._turns = threading.Condition(self._lock)
+        self.engine_holds = False
+        self._held_at = 0.0  # time.monotonic() of the engine thread's last ``widen`` or ``help``
+        self._layer_by: str | None = None  # "lane" or "engine" while a layer computes
+        self._job: _Job | None = None  # the prompt computing now
+        self._stopping = False
         # request ids submitted and not yet taken back, in order (the engine thread's view)
         self.pending: list[str] = []
         # The lane's measured cost: a moving average of ms per prompt token over the prompts it
@@ -138,7 +142,6 @@ class PrefillLane:
         self._tokens_left = 0  # prompt tokens submitted and not yet computed (or skipped)
         self._current_tokens = 0  # those of the prompt computing now
         self._current_started: float | None = None  # time.monotonic() when it started
-        self._widened = False  # the prompt computing now has run a layer on more than ``threads``
         self._computed_s = 0.0  # time spent computing prompts that are done (``computed_s``)
         self._cancelled: set[str] = set()  # pending ids the lane skips if it has not started them
         self._jobs: queue.SimpleQueue[ScheduledSeq | None] = queue.SimpleQueue()
@@ -169,7 +172,7 @@ class PrefillLane:
             return None
         self.pending.remove(result.seq.request_id)
         self._cancelled.discard(result.seq.request_id)
-        if result.output is not None and not result.widened and result.seq.token_ids:
+        if result.output is not None and not result.helped and result.seq.token_ids:
             sample = result.elapsed_s * 1000.0 / len(result.seq.token_ids)
             self.ms_per_token = moving_average(self.ms_per_token, sample, LANE_COST_SMOOTHING)
         return result
@@ -195,19 +198,44 @@ class PrefillLane:
             current = now - self._current_started if self._current_started is not None else 0.0
             return self._computed_s + max(0.0, current)
 
-    def widen(self, threads: int) -> None:
-        """The engine thread has nothing to step: the lane may use ``threads`` from its next
-        layer on (the prompt's first token comes sooner; nothing else waits for the cores)."""
+    def widen(self) -> None:
+        """The engine thread has nothing to step: it takes over the prompt computing now from
+        the lane's next layer boundary on, and computes its layers on all its threads (``help``)
+        until ``narrow``; the lane thread waits meanwhile. So the lane's thread never runs a
+        parallel region of more than ``threads``: a second OpenMP team of two threads in the
+        process would make libgomp cut the spin-wait of every team's barriers (more OpenMP
+        threads than CPUs) and slow the engine's steps from then on (engine/engine_loop.py)."""
         with self._lock:
-            self.width = max(self.threads, threads)
+            self.engine_holds, self._held_at = True, time.monotonic()
 
-    def narrow(self, timeout_s: float = 2.0) -> bool:
-        """The engine thread steps again: back to the lane's own ``threads``. Waits until the
-        lane's current layer is done if it computes on more (at most ``timeout_s``: the step then
-        runs anyway, the cores shared for what is left of that layer). False on a timeout."""
+    def wants_help(self) -> bool:
+        """The engine thread holds a prompt that has layers left to compute (``help``)."""
         with self._lock:
-            self.width = self.threads
-        return self._within.wait(timeout_s)
+            return self.engine_holds and self._job is not None and not self._job.finished
+
+    def help(self, timeout_s: float = 2.0) -> bool:
+        """On the engine thread, after ``widen``: compute the next layer of the prompt under way
+        on this thread's torch threads. Waits for the layer the lane thread computes, if any (at
+        most ``timeout_s``). False if there was nothing to compute or on that timeout."""
+        deadline = time.monotonic() + timeout_s
+        with self._lock:
+            while self._layer_by is not None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._turns.wait(left)
+            job = self._job
+            if not self.engine_holds or job is None or job.finished:
+                return False
+            self._layer_by, job.helped, self._held_at = "engine", True, time.monotonic()
+        self._compute(job)
+        return True
+
+    def narrow(self) -> None:
+        """The engine thread steps again: the lane thread computes the prompt's next layers."""
+        with self._lock:
+            self.engine_holds = False
+            self._turns.notify_all()
 
     def cancel(self, request_id: str) -> None:
         """Its request ended: skip it if the lane has not started it (its result then has
@@ -216,6 +244,9 @@ class PrefillLane:
             self._cancelled.add(request_id)
 
     def stop(self, timeout_s: float = 10.0) -> None:
+        with self._lock:
+            self._stopping = True
+            self._turns.notify_all()
         self._jobs.put(None)
         self._thread.join(timeout_s)
 
@@ -227,38 +258,66 @@ class PrefillLane:
             if seq is None:
                 return
             started, clock = time.monotonic(), time.perf_counter()
-            with self._lock:
-                self._computing = True
-                self._current_tokens, self._current_started, self._widened = len(seq.token_ids), started, False
-            self._fit()
             if seq.request_id in self._cancelled:
                 result = LaneResult(seq, None, None, 0.0, started)
             else:
                 step = SchedulerOutput(seqs=[seq], num_batched_tokens=len(seq.token_ids), preempted_ids=[])
+                with self._lock:
+                    self._current_tokens, self._current_started = len(seq.token_ids), started
                 try:
-                    result = LaneResult(seq, self.runner.execute(step), None, time.perf_counter() - clock, started,
-                                        self._widened)
+                    job = _Job(self.runner.execute_layers(step))
                 except Exception as exc:  # the engine thread fails this request alone
-                    result = LaneResult(seq, None, exc, time.perf_counter() - clock, started)
+                    job = _Job(None, error=exc, finished=True)
+                with self._lock:
+                    self._job = job
+                while self._lane_turn(job):
+                    self._compute(job)
+                result = LaneResult(seq, job.output, job.error, time.perf_counter() - clock, started, job.helped)
             with self._lock:
-                self._computing = False
-                self._within.set()
+                self._job = None
                 self._computed_s += time.monotonic() - started
-                self._tokens_left -= self._current_tokens
+                self._tokens_left -= len(seq.token_ids)
                 self._current_tokens, self._current_started = 0, None
             self._done.put(result)
             if self.on_done is not None:
                 self.on_done()
 
-    def _fit(self, layer: int | None = None) -> None:
-        """On the lane thread, before a prompt and after each of its layers: take up the width
-        the engine thread allows now."""
+    def _lane_turn(self, job: _Job) -> bool:
+        """On the lane thread: wait while the engine thread holds the prompt (or computes a layer
+        of it); True when the lane thread is to compute the next layer, False once it is done.
+        An engine thread that holds the prompt but has computed none of it for
+        ``ENGINE_HOLD_S`` loses it back to the lane."""
         with self._lock:
-            if self.width != self._using:
-                torch.set_num_threads(self.width)
-                self._using = self.width
-            self._widened |= self._computing and self._using > self.threads
-            if self._computing and self._using > self.threads:
-                self._within.clear()
-            else:
-                self._within.set()
+            while not job.finished and not self._stopping:
+                if self._layer_by is None and not (
+                        self.engine_holds and time.monotonic() - self._held_at < ENGINE_HOLD_S):
+                    break
+                self._turns.wait(ENGINE_HOLD_S)
+            if job.finished or self._stopping:
+                return False
+            self._layer_by = "lane"
+            return True
+
+    def _compute(self, job: _Job) -> None:
+        """Compute ``job``'s next layer on this thread (its turn: ``_layer_by`` is set), then
+        give the turn back."""
+        try:
+            next(job.layers)
+        except StopIteration as stop:
+            job.output, job.finished = stop.value, True
+        except Exception as exc:  # the engine thread fails this request alone
+            job.error, job.finished = exc, True
+        with self._lock:
+            self._layer_by = None
+            self._turns.notify_all()
+
+
+@dataclass(slots=True)
+class _Job:
+    """The prompt the lane computes now: its forward, layer by layer (ModelRunner.execute_layers)."""
+
+    layers: Generator[int, None, RunnerOutput] | None  # None: it could not start (``error``)
+    output: RunnerOutput | None = None
+    error: BaseException | None = None
+    finished: bool = False  # its forward returned or raised
+    helped: bool = False  # the engine thread computed some of its layers

@@ -9,7 +9,7 @@ halves the kernel launches of a decode step.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 
 import torch
 from torch import nn
@@ -24,6 +24,15 @@ FUSED_PARAMS = {
     "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
     "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
 }
+
+
+def run_to_end(layers: Generator[int, None, torch.Tensor]) -> torch.Tensor:
+    """Run a ``CausalLM.forward_layers`` generator through; its result."""
+    while True:
+        try:
+            next(layers)
+        except StopIteration as stop:
+            return stop.value
 
 
 class RMSNorm(nn.Module):
@@ -161,6 +170,13 @@ class CausalLM(nn.Module):
         attn_metadata: object,
         layer_done: Callable[[int], None] | None = None,  # called after each layer (KV export)
     ) -> torch.Tensor:  # [num_tokens, hidden]
+        return run_to_end(self.forward_layers(input_ids, positions, kv_caches, attn_metadata, layer_done))
+
+    def forward_layers(self, input_ids, positions, kv_caches, attn_metadata,
+                       layer_done: Callable[[int], None] | None = None) -> Generator[int, None, torch.Tensor]:
+        """``forward`` one layer per ``next()``: yields each layer's index once it is done and
+        returns the hidden states. Any thread may resume it (one at a time), each layer then
+        running on that thread's torch threads (the prefill lane: engine/prefill_lane.py)."""
         ops, decoder = self.ops, self.model
         residual = decoder.embed_tokens(input_ids)  # the residual stream, updated in place
         rope = ops.rope_state(positions, decoder.rotary.cos, decoder.rotary.sin)
@@ -171,6 +187,7 @@ class CausalLM(nn.Module):
             normed = layer(ops, rope, residual, normed, kv_cache, attn_metadata, next_norm)
             if layer_done is not None:
                 layer_done(index)
+            yield index
         return normed
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, vocab] f32

@@ -95,15 +95,15 @@ def assert_plain_engines_tokens(model_dir, streams: SamplingParams, prompts: dic
 def wrap_lane(core, before=None):
     """Count the prompts the lane computes and run ``before`` on its thread before each."""
     runner = core.lane.runner
-    execute, seen = runner.execute, []
+    execute_layers, seen = runner.execute_layers, []
 
     def recording(step):
         seen.append((step.seqs[0].request_id, len(step.seqs[0].token_ids), threading.current_thread().name))
         if before is not None:
             before()
-        return execute(step)
+        return execute_layers(step)
 
-    runner.execute = recording
+    runner.execute_layers = recording
     return seen
 
 
@@ -132,7 +132,7 @@ def _lane_core_clean(request):
         core.check_integrity()
         assert not core.has_unfinished_requests()
         assert core.block_pool.num_free_blocks == core.block_pool.num_blocks
-        core.lane.runner.__dict__.pop("execute", None)  # undo wrap_lane
+        core.lane.runner.__dict__.pop("execute_layers", None)  # undo wrap_lane
 
 
 def test_lane_tokens_are_the_steps_tokens_and_transformers(lane_core, smollm_dir, hf_smollm):
@@ -502,8 +502,8 @@ def test_the_lane_measures_its_ms_per_token_on_its_own_threads_alone(tiny_llama_
         assert core.lane.pending == ["wide"]
         for request_id in ("s0", "s1", "narrow"):
             core.abort_request(request_id)
-        step()  # nothing to step now: the lane may use every thread from its next layer on
-        assert core.lane.width == core.num_threads
+        step()  # nothing to step now: the engine thread takes the lane's prompt over
+        assert core.lane.engine_holds
         release.set()
         drain(core, step)
         assert core.counters.num_lane_prompts == 2
@@ -675,51 +675,65 @@ def test_the_engine_counts_its_steps_and_their_time_apart_for_decode_only_and_pr
         assert executed_ms <= counted_ms <= executed_ms + 1.0 * len(steps)
 
 
-def test_the_lane_widens_while_the_engine_has_nothing_to_step_and_narrows_before_the_next_step(lane_core, smollm_dir):
-    fit = lane_core.lane.runner.after_layer
-    layers: list[tuple[int, int]] = []  # (layer, the torch threads the lane set for the layer after it)
-    gates = {1: threading.Event(), 3: threading.Event()}
-    reached = {1: threading.Event(), 3: threading.Event()}
+def test_with_nothing_to_step_the_engine_thread_computes_the_lanes_layers_and_gives_them_back_to_step(
+        lane_core, smollm_dir):
+    """The lane's thread keeps its one torch thread: while the engine thread has nothing to step,
+    it computes the lane's prompt itself on both of its threads, a layer per step() call, and
+    the lane thread goes on once the engine steps again (a second OpenMP team of two threads
+    would slow every engine step: engine/engine_loop.py)."""
+    execute_layers = lane_core.lane.runner.execute_layers
+    layers: list[tuple[int, str, int]] = []  # (layer, the thread that computed it, its torch threads)
+    gate, reached = threading.Event(), threading.Event()
 
-    def recording(layer: int) -> None:
-        fit(layer)
-        layers.append((layer, torch.get_num_threads()))
-        if layer in gates:
-            reached[layer].set()
-            assert gates[layer].wait(60)
+    def gated(step):
+        inner = execute_layers(step)
 
-    lane_core.lane.runner.after_layer = recording
+        def recorded():
+            while True:
+                try:
+                    index = next(inner)
+                except StopIteration as stop:
+                    return stop.value
+                layers.append((index, threading.current_thread().name, torch.get_num_threads()))
+                if index == 1:  # hold the lane thread inside its turn for layer 1
+                    reached.set()
+                    assert gate.wait(60)
+                yield index
+
+        return recorded()
+
+    lane_core.lane.runner.execute_layers = gated
     try:
         short = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
         tokens = start_streams(lane_core, params=short)
         prompt = long_prompt(40, 200)
         lane_core.add_request(lane_core.make_request("long", prompt, GREEDY))
         lane_core.step()
-        assert reached[1].wait(30) and lane_core.lane.width == 1  # in the lane, beside the streams
+        assert reached.wait(30)  # in the lane, beside the streams
         while lane_core.scheduler.running:  # the streams end while the lane holds the prompt
             for output in lane_core.step():
                 tokens.setdefault(output.request_id, []).extend(output.new_token_ids)
-        assert lane_core.step() == [] and lane_core.lane.width == 2  # nothing to step: widen
-        gates[1].set()
-        assert reached[3].wait(30)
-        assert layers[:4] == [(0, 1), (1, 1), (2, 2), (3, 2)]  # wide from its next layer boundary on
+        helped = threading.Event()
+        helper = threading.Thread(target=lambda: (lane_core.step(), helped.set()), name="engine-stand-in")
+        helper.start()  # nothing to step: it waits for the lane's layer in flight, then computes the next
+        assert not helped.wait(0.3) and lane_core.lane.engine_holds
+        gate.set()
+        assert helped.wait(30)
+        helper.join(30)
+        assert layers[2] == (2, "engine-stand-in", 2)
+        assert lane_core.lane_wants_help()  # the prompt has layers left, and the engine holds it
         lane_core.add_request(lane_core.make_request("late", [5, 6, 7], short))
-        stepped = threading.Event()
-        stepper = threading.Thread(target=lambda: (lane_core.step(), stepped.set()))
-        stepper.start()  # a step to run: it waits for the lane to narrow
-        assert not stepped.wait(0.3) and lane_core.lane.width == 1
-        gates[3].set()
-        assert stepped.wait(30)
-        stepper.join(30)
-        assert layers[4] == (4, 1)  # narrowed after the layer it was in
+        lane_core.step()  # a step to run: the lane thread gets the prompt back
+        assert not lane_core.lane.engine_holds
         for request_id, new in run(lane_core, []).items():
             tokens.setdefault(request_id, []).extend(new)
     finally:
-        for gate in gates.values():
-            gate.set()
-        lane_core.lane.runner.after_layer = fit
-    # (once "late" ends too, the lane may widen again for its last layers)
-    assert lane_core.lane.width == 1
+        gate.set()
+        lane_core.lane.runner.execute_layers = execute_layers
+    assert [index for index, _, _ in layers] == list(range(30))
+    assert {(thread, threads) for _, thread, threads in layers if thread != "engine-stand-in"} <= {
+        ("prefill-lane", 1), ("MainThread", 2)}
+    assert any(thread == "prefill-lane" for _, thread, _ in layers[3:])  # given back after "late" came
     assert torch.get_num_threads() == 2
 
     plain = build(smollm_dir, None)
