@@ -272,6 +272,8 @@ class PrefillLane:
                     self._job = job
                 while self._lane_turn(job):
                     self._compute(job)
+                if not job.finished:  # stop() came first
+                    job.error = RuntimeError("the prefill lane stopped before it computed this prompt")
                 result = LaneResult(seq, job.output, job.error, time.perf_counter() - clock, started, job.helped)
             with self._lock:
                 self._job = None
