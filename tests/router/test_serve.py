@@ -20,7 +20,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from client import TandemClient, TandemError
 from engine import SamplingParams
 from tests.reference import EqualityStats, assert_same_tokens_as_text
-from tests.router.conftest import start_server
+from tests.router.conftest import FAULT_SEED, fault_env, start_server
 from tests.workers import wait_until
 
 QUESTIONS = ["What is the capital of France?", "Name three colours of the rainbow.",
@@ -459,9 +459,41 @@ def long_prompt_mid_stream(server, llm, while_streaming=None) -> tuple[int, int,
 def lane_first_server(smollm_dir):
     """A live colocated worker with two threads and the prefill lane under policy first."""
     server = start_server(smollm_dir, "colocated", "--worker-threads", "2", "--prefill-lane-min-tokens", "128",
-                          "--prefill-lane-policy", "first")
+                          "--prefill-lane-policy", "first", env=fault_env())
     yield server
     server.stop()
+
+
+def test_a_lane_prompt_that_fails_after_its_stream_ended_fails_alone_on_a_live_worker(lane_first_server):
+    """A short stream decodes; a ~600-token prompt whose sampling fails (the injected fault)
+    goes to the lane, and the stream (24 tokens) usually ends while the lane, on one float32
+    thread, still computes it, so the engine thread, with nothing to step, computes its last
+    layers and samples (PrefillLane.help); the test holds either way. The prompt gets a
+    500 with the fault's message; the stream its tokens; no KV block stays held, and the worker
+    serves the next request."""
+    server = lane_first_server
+    url, lane_before = server.base_url, server.metric("num_lane_prompts", "decode")
+    stream = {"model": "smollm2-135m-instruct", "prompt": "Count:", "max_tokens": 24, "ignore_eos": True,
+              "temperature": 0.0}
+    faulted = {"model": "smollm2-135m-instruct", "prompt": " ".join(f"item{i}" for i in range(150)),
+               "max_tokens": 4, "temperature": 0.7, "seed": FAULT_SEED}
+
+    async def run():
+        async with httpx.AsyncClient(timeout=300) as http:
+            streamed = asyncio.create_task(http.post(f"{url}/v1/completions", json=stream))
+            await asyncio.sleep(0.2)  # the stream decodes when the long prompt arrives
+            return await asyncio.gather(streamed, http.post(f"{url}/v1/completions", json=faulted))
+
+    streamed, failed = asyncio.run(run())
+    assert streamed.status_code == 200 and streamed.json()["choices"][0]["finish_reason"] == "length"
+    assert failed.status_code == 500, failed.text
+    assert "fault injected by the test" in failed.json()["error"]["message"]
+    wait_until(lambda: server.metric("num_lane_prompts", "decode") == lane_before + 1,  # it went through the lane
+               what="the lane's prompt in Stats")
+    wait_until(lambda: server.metric("num_free_kv_blocks", "decode") == server.metric("num_kv_blocks", "decode")
+               and server.metric("num_running", "decode") == 0, what="the worker to hold no KV block")
+    after = httpx.post(f"{url}/v1/completions", json=stream, timeout=120)
+    assert after.status_code == 200 and after.json()["choices"][0]["finish_reason"] == "length"
 
 
 def test_a_long_prompt_arriving_mid_stream_goes_through_the_prefill_lane(lane_first_server, llm):
