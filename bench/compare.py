@@ -142,7 +142,7 @@ def stage_means_ms(before, after) -> dict[str, float] | None:
     return means
 
 
-LANE_FIELDS = ("num_lane_prompts", "num_lane_prompt_tokens", "lane_busy_ms")
+LANE_FIELDS = ("num_lane_prompts", "num_lane_prompt_tokens", "lane_busy_ms", "num_lane_layers_helped")
 STEP_FIELDS = ("num_decode_steps", "decode_steps_ms", "decode_steps_seqs", "num_prompt_steps", "prompt_steps_ms")
 # gauges, not counters: what each decode worker has measured so far (engine/step_budget.py LaneTradeoff)
 COST_FIELDS = ("lane_ms_per_token", "lane_slowdown", "step_ms_per_prompt_token")
@@ -179,6 +179,7 @@ def lane_profile(before, after, duration_s: float) -> dict[str, float] | None:
     return {"prompts": prompts, "tokens": delta["num_lane_prompt_tokens"],
             "ms_per_prompt": delta["lane_busy_ms"] / prompts if prompts else 0.0,
             "busy_share": delta["lane_busy_ms"] / 1000 / duration_s,
+            "layers_helped": delta["num_lane_layers_helped"],  # by the engine thread (PrefillLane.help)
             # what a prompt token costs the streams by the engine's own measures at the end of the run
             "ms_per_token": lane_ms, "slowdown": slowdown,
             "stream_ms_per_token_lane": lane_stream_ms(lane_ms, slowdown) if lane_ms and slowdown else 0.0,
@@ -695,7 +696,8 @@ def _line(name: str, rate: float, s: dict) -> str:
     lane = s.get("lane")
     if lane and lane["prompts"]:  # a server with a lane that took prompts (not disagg's decode workers)
         where += (f"\n{' ' * 16}prefill lane: {lane['prompts']:.0f} of {s['num_requests']} prompts, "
-                  f"{lane['ms_per_prompt']:.0f} ms each, computing {lane['busy_share']:.0%} of the run")
+                  f"{lane['ms_per_prompt']:.0f} ms each, computing {lane['busy_share']:.0%} of the run, "
+                  f"{lane.get('layers_helped', 0):.0f} layers by the engine thread")
     if lane and (lane.get("stream_ms_per_token_lane") or lane.get("stream_ms_per_token_steps")):
         where += (f"\n{' ' * 16}a prompt token costs the streams: in the lane "
                   f"{lane['stream_ms_per_token_lane']:.3f} ms ({lane['ms_per_token']:.3f} ms on its thread, "
@@ -751,12 +753,15 @@ def _positive(text: str) -> bool:
 
 
 def colocated_variants(budgets: list[int], step_ms: list[str], lane_tokens: list[str] = (),
-                       lane_wait_ms: list[str] = (), lane_policies: list[str] = ()) -> list[tuple[str, list[str], str]]:
+                       lane_wait_ms: list[str] = (), lane_policies: list[str] = (),
+                       lane_help_ms: list[str] = ()) -> list[tuple[str, list[str], str]]:
     """(name suffix, flags, description) of each colocated contender: one per token cap (chunked
     by tokens only), one per step target (``--max-step-ms``, a number or ``off``), one per
     prefill-lane threshold (``--prefill-lane-min-tokens``, a number or ``off``), one per bound
     on a prompt's wait for the busy lane (``--prefill-lane-max-wait-ms``, a number or ``off``),
-    one per lane policy (``--prefill-lane-policy``); tandem's defaults when none is given."""
+    one per lane policy (``--prefill-lane-policy``), one per bound on the streams' pace under which
+    the engine thread helps the lane (``--prefill-lane-help-ms``, a number or ``off``); tandem's
+    defaults when none is given."""
     variants = [(f"-{budget}", ["--max-num-batched-tokens", str(budget), "--max-step-ms", "off"],
                  f"chunked prefill {budget} tokens per step") for budget in budgets]
     for target in step_ms:
@@ -785,6 +790,12 @@ def colocated_variants(budgets: list[int], step_ms: list[str], lane_tokens: list
         flags = ["--prefill-lane-policy", policy] + (["--prefill-lane-pace-ms", pace] if pace else [])
         variants.append((f"-{policy}{pace}", flags,
                          f"prefill lane policy {policy}" + (f", streams' pace bound {pace} ms" if pace else "")))
+    for help_ms in lane_help_ms:
+        if help_ms != "off" and not _positive(help_ms):
+            raise ValueError(f"--colocated-lane-help-ms takes numbers > 0 or off, got {help_ms!r}")
+        variants.append((f"-help{help_ms}", ["--prefill-lane-help-ms", help_ms],
+                         "the engine thread helps the prefill lane only when idle" if help_ms == "off"
+                         else f"the engine thread helps the prefill lane while the streams' pace is under {help_ms} ms"))
     return variants or [("", [], "its defaults")]
 
 
@@ -792,7 +803,8 @@ def default_contenders(model: str, hf_dir: str, dtype: str, colocated_budgets: l
                        vllm_python: str | None = None, colocated_step_ms: list[str] | None = None,
                        colocated_lane_tokens: list[str] | None = None,
                        colocated_lane_wait_ms: list[str] | None = None,
-                       colocated_lane_policies: list[str] | None = None) -> list[Contender]:
+                       colocated_lane_policies: list[str] | None = None,
+                       colocated_lane_help_ms: list[str] | None = None) -> list[Contender]:
     unknown = [n for n in names if n not in CONTENDERS]
     if unknown:
         raise ValueError(f"unknown contenders {unknown} (choose from {', '.join(CONTENDERS)})")
@@ -808,7 +820,7 @@ def default_contenders(model: str, hf_dir: str, dtype: str, colocated_budgets: l
         elif name == "colocated":
             for suffix, flags, what in colocated_variants(colocated_budgets, colocated_step_ms or [],
                                                           colocated_lane_tokens or [], colocated_lane_wait_ms or [],
-                                                          colocated_lane_policies or []):
+                                                          colocated_lane_policies or [], colocated_lane_help_ms or []):
                 flags = ["--mode", "colocated", "--decode-workers", "1", "--worker-threads", "2", *flags]
                 contenders.append(tandem_contender(f"colocated{suffix}", model, dtype, flags,
                                                    f"tandem serve --mode colocated: 1 worker, 2 threads, {what}"))
@@ -885,6 +897,8 @@ def add_compare_args(compare, default_model: str) -> None:
     compare.add_argument("--colocated-lane-policy", default="",
                          help="comma-separated --prefill-lane-policy values (first, overflow, pace, cost, or pace:MS "
                               "and cost:MS with its --prefill-lane-pace-ms): one colocated contender each")
+    compare.add_argument("--colocated-lane-help-ms", default="",
+                         help="comma-separated --prefill-lane-help-ms values (or off): one colocated contender each")
     compare.add_argument("--no-transformers", action="store_true", help="skip transformers serve")
     compare.add_argument("--traffic-mix", default=None, metavar="CLASS:SHARE,...",
                          help="traffic classes instead of a sweep: a baseline run of --traffic-baseline's requests "
@@ -925,8 +939,9 @@ def run_compare(args) -> int:
     lanes = [t.strip() for t in args.colocated_lane_tokens.split(",") if t.strip()]
     waits = [t.strip() for t in args.colocated_lane_wait_ms.split(",") if t.strip()]
     policies = [t.strip() for t in args.colocated_lane_policy.split(",") if t.strip()]
+    helps = [t.strip() for t in args.colocated_lane_help_ms.split(",") if t.strip()]
     contenders = default_contenders(args.model, hf_dir, args.dtype, budgets, names, args.vllm_python, step_ms, lanes,
-                                    waits, policies)
+                                    waits, policies, helps)
     calibration = make_dataset(args.dataset, 3, args.seed + 1000, spec)  # prompts of their own, same shape
     warm_up = make_dataset(args.dataset, args.warm_up, args.seed + 2000, spec)
     if args.repeat > 1 and not args.capacity:

@@ -26,6 +26,7 @@ from dataclasses import dataclass, replace
 from cluster.autoscale import PoolSize
 from cluster.placement import Mode, choose_mode, default_worker_threads
 from cluster.serve_config import ServeConfig, add_serve_arguments, cluster_secret
+from engine.prefill_lane import SPLIT_MIN_TOKENS
 from engine.remote_kv import KVFailurePolicy
 from proto.rpc import Role
 
@@ -147,8 +148,11 @@ class ServeCluster:
                     "cost": f" while the streams get tokens more than {config.prefill_lane_pace_ms:g} ms apart, "
                             "if it costs them less there than in the steps (policy cost)"}
             when = when.get(config.prefill_lane_policy, "")
+            helps = ("" if config.prefill_lane_help_ms is None else
+                     f"; the decoding thread reads layers of a {SPLIT_MIN_TOKENS}+ token prompt's second half beside "
+                     f"it while the streams get tokens less than {config.prefill_lane_help_ms:g} ms apart")
             say(f"prefill lane: a prompt of {config.prefill_lane_min_tokens}+ tokens that arrives while streams "
-                f"decode{when} is read on 1 of the {threads} threads, the others decoding meanwhile")
+                f"decode{when} is read on 1 of the {threads} threads, the others decoding meanwhile{helps}")
         sizes = {Role.DECODE: config.decode_workers}
         if choice.mode is Mode.DISAGG:
             sizes[Role.PREFILL] = config.prefill_workers
@@ -248,6 +252,7 @@ class ServeCluster:
                           prefill_lane_min_tokens=lane, prefill_lane_max_wait_ms=config.prefill_lane_max_wait_ms,
                           prefill_lane_policy=config.prefill_lane_policy,
                           prefill_lane_pace_ms=config.prefill_lane_pace_ms,
+                          prefill_lane_help_ms=config.prefill_lane_help_ms,
                           scheduling_policy=config.scheduling_policy,
                           num_threads=plan.worker_threads, chat_template=self.chat_template,
                           attention_backend=config.attention_backend, device=config.device,

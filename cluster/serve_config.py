@@ -20,10 +20,12 @@ from cluster.placement import MODES
 from engine.config import LANE_POLICIES
 from engine.models.registry import DEFAULT_MODEL
 from engine.prefill_lane import (
+    DEFAULT_PREFILL_LANE_HELP_MS,
     DEFAULT_PREFILL_LANE_MAX_WAIT_MS,
     DEFAULT_PREFILL_LANE_MIN_TOKENS,
     DEFAULT_PREFILL_LANE_PACE_MS,
     DEFAULT_PREFILL_LANE_POLICY,
+    SPLIT_MIN_TOKENS,
 )
 from engine.step_budget import DEFAULT_MAX_STEP_MS
 from proto import worker_pb2
@@ -70,6 +72,15 @@ def _pace_ms(value: str) -> float:
     number = float(value)
     if not 0 < number < float("inf"):
         raise argparse.ArgumentTypeError(f"--prefill-lane-pace-ms must be a number of ms > 0, got {value!r}")
+    return number
+
+
+def _help_ms(value: str) -> float | None:
+    if value.strip().lower() in ("off", "none"):
+        return None
+    number = float(value)
+    if not 0 < number < float("inf"):  # NaN fails too
+        raise argparse.ArgumentTypeError(f"--prefill-lane-help-ms must be a number of ms > 0 or 'off', got {value!r}")
     return number
 
 
@@ -180,6 +191,12 @@ class ServeConfig:
         "the pace policy's bound: the mean ms between the decoding streams' tokens over the last 2 s above which a "
         f"prompt goes to the prefill lane (set it a little under your TPOT target; default "
         f"{DEFAULT_PREFILL_LANE_PACE_MS:g})")
+    prefill_lane_help_ms: float | None = flag(
+        DEFAULT_PREFILL_LANE_HELP_MS, _help_ms,
+        f"while the prefill lane reads a prompt of {SPLIT_MIN_TOKENS}+ tokens and the decoding streams get their "
+        "tokens less than this many ms apart, the worker's engine thread reads the prompt's second half beside the "
+        "lane, a layer between two of its steps ('off': only while it has nothing to step; default "
+        f"{DEFAULT_PREFILL_LANE_HELP_MS:g})")
     max_queue: int = flag(256, int, "sequences (prompts x n) in flight before new requests get 429; tokenize "
                                     "calls count one")
     scheduling_policy: str = flag("fcfs", help="fcfs: arrival order everywhere; priority: requests run by their "

@@ -166,6 +166,10 @@ class SchedulerConfig:
     # tokens slower than this many ms apart (engine/step_budget.py StreamPace); faster, the
     # steps read it on every thread
     prefill_lane_pace_ms: float = 80.0
+    # while the lane reads a prompt in halves and the decoding streams get their tokens less
+    # than this many ms apart, the engine thread reads layers of its second half between steps
+    # (engine/prefill_lane.py); None: only while it has nothing to step
+    prefill_lane_help_ms: float | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.policy, SchedulingPolicy):
@@ -180,6 +184,8 @@ class SchedulerConfig:
             raise ValueError(f"prefill_lane_max_wait_ms must be >= 0 (or None), got {self.prefill_lane_max_wait_ms}")
         if not 0 < self.prefill_lane_pace_ms < float("inf"):
             raise ValueError(f"prefill_lane_pace_ms must be > 0, got {self.prefill_lane_pace_ms}")
+        if self.prefill_lane_help_ms is not None and not 0 < self.prefill_lane_help_ms < float("inf"):
+            raise ValueError(f"prefill_lane_help_ms must be > 0 (or None), got {self.prefill_lane_help_ms}")
         if self.prefill_lane_policy not in LANE_POLICIES:
             raise ValueError(f"prefill_lane_policy must be one of {', '.join(LANE_POLICIES)}, "
                              f"got {self.prefill_lane_policy!r}")

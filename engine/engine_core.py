@@ -97,6 +97,7 @@ class EngineCounters:
     num_lane_prompts: int = 0  # prompts the prefill lane computed for requests still there (engine/prefill_lane.py)
     num_lane_prompt_tokens: int = 0  # their prompt positions (also in num_prompt_tokens_computed)
     lane_busy_s: float = 0.0  # the lane's time computing prompts (those aborted meanwhile too)
+    lane_layers_helped: int = 0  # layers of the lane's prompts the engine thread computed (PrefillLane.help)
 
 
 class EngineCore:
@@ -354,10 +355,12 @@ class EngineCore:
             self._lane_start()
         scheduled = self.scheduler.schedule()
         if self.lane is not None and self.lane.busy:
-            # with nothing to step, this thread computes the lane's prompt on every thread until
-            # there is again, a layer per call
+            # with nothing to step, this thread computes the lane's prompt until there is again,
+            # a layer per call; beside streams with slack, a layer of its second half per step
             if scheduled.seqs:
                 self.lane.narrow()
+                if self._streams_have_slack() and self.lane.can_help_beside():
+                    self.counters.lane_layers_helped += self.lane.help(self.num_threads, timeout_s=0.0)
             else:
                 self._help_lane()
         if not scheduled.seqs:
@@ -430,14 +433,16 @@ class EngineCore:
         return outputs
 
     def _help_lane(self) -> None:
-        """Nothing to step: compute the next layer of the lane's prompt here, on every thread
-        (PrefillLane.widen)."""
+        """Nothing to step: compute the next layer of the lane's prompt here (PrefillLane.widen)."""
         self.lane.widen()
-        torch.set_num_threads(self.num_threads)
-        try:
-            self.lane.help()
-        finally:
-            torch.set_num_threads(self.num_threads - self.lane.threads)
+        self.counters.lane_layers_helped += self.lane.help(self.num_threads)
+
+    def _streams_have_slack(self) -> bool:
+        """The decoding streams get their tokens less than ``prefill_lane_help_ms`` apart now
+        (StreamPace): this thread may read a layer of the lane's prompt between two steps."""
+        bound = self.config.scheduler.prefill_lane_help_ms
+        pace = self.scheduler.step_budget.pace.ms(time.monotonic()) if bound is not None else None
+        return pace is not None and pace < bound
 
     def lane_wants_help(self) -> bool:
         """This thread holds the lane's prompt and it has layers left (the loop steps on)."""

@@ -197,6 +197,7 @@ workers build their engine from that with ``build_core()``, not through ``LLM``.
     prefill_lane_max_wait_ms: float | None = None  # --prefill-lane-max-wait-ms
     prefill_lane_policy: str = "first"  # --prefill-lane-policy (engine/config.py LANE_POLICIES)
     prefill_lane_pace_ms: float = 80.0  # --prefill-lane-pace-ms (the "pace" policy)
+    prefill_lane_help_ms: float | None = None  # --prefill-lane-help-ms
     scheduling_policy: str = "fcfs"  # --scheduling-policy: fcfs | priority
     enable_prefix_caching: bool = True
     num_threads: int | None = None  # --worker-threads: each worker pins its own
@@ -236,7 +237,7 @@ workers build their engine from that with ``build_core()``, not through ``LLM``.
             scheduler=SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, self.max_step_ms,
                                       SchedulingPolicy(self.scheduling_policy), self.prefill_lane_min_tokens,
                                       self.prefill_lane_max_wait_ms, self.prefill_lane_policy,
-                                      self.prefill_lane_pace_ms),
+                                      self.prefill_lane_pace_ms, self.prefill_lane_help_ms),
             num_threads=self.num_threads,
             seed=self.seed,
             attention_backend=self.attention_backend,

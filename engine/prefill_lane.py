@@ -18,7 +18,12 @@ work is under way, under ``pace`` only while the streams are slower than its bou
 computing and one queued behind it), lends the lane
 one of its threads for as long as it holds any (and while it has nothing to step, computes the
 lane's prompt itself on all of them, a layer at a time: ``widen``, ``help``, ``narrow``), and
-takes the results back between two steps;
+takes the results back between two steps. A prompt of ``SPLIT_MIN_TOKENS`` or more is read in
+two halves, the second a layer behind the first: while the streams get their tokens faster than
+``--prefill-lane-help-ms``, the engine thread reads a layer of the second half between two of
+its steps on its own thread, beside the lane's thread on the first, so the prompt has both
+cores while the streams can spare them (a 1000-token prompt beside three streams on the
+family-25 EPYC: 1.50 s alone on the lane, 1.28 s helped, the streams' tokens 34 then 47 ms apart);
 each request then joins the batch with its first token, as one whose KV came from a prefill
 worker does. While the lane is full, the next prompt for it waits at the head of the queue
 rather than stall the streams in a step (and what arrived after it waits too): the streams'
@@ -42,7 +47,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Generator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -86,8 +91,23 @@ DEFAULT_PREFILL_LANE_POLICY = "pace"
 # little under the 100 ms TPOT SLO of the capacity searches; 70 sent more prompts to the lane
 # for a lower TPOT p90 and a higher TTFT p90 (75 / 689 ms against 83 / 660 at 2.32 req/s).
 DEFAULT_PREFILL_LANE_PACE_MS = 80.0
+# `--prefill-lane-help-ms` default: while the lane reads a prompt in halves (SPLIT_MIN_TOKENS)
+# and the decoding streams get their tokens less than this many ms apart (StreamPace), the
+# engine thread reads a layer of its second half between two steps, on its own thread: the
+# prompt gets both cores while the streams can spare the time. The streams then slow to about
+# this pace (a step and a layer), which stays under the pace policy's bound, so that they do
+# not push the next prompts into the lane by it.
+DEFAULT_PREFILL_LANE_HELP_MS = 60.0
 # the weight of the newest prompt in the moving average of the lane's ms per prompt token
 LANE_COST_SMOOTHING = 0.25
+# A prompt with at least this many tokens to compute is read in two halves (``_Part``): the lane
+# thread reads the first; the second, which needs the first's KV of each layer before its own
+# attention there, runs a layer behind it, on whichever thread gets to it. While the lane reads
+# the first half, the engine thread may read layers of the second between its steps on its own
+# thread (``help``: while the streams have slack, engine_core.py), so that the prompt gets both
+# cores without a second OpenMP team. Shorter prompts would pay more for reading the weights
+# twice than the halves gain.
+SPLIT_MIN_TOKENS = 256
 # how long the engine thread may hold the lane's prompt (``PrefillLane.widen``) without computing
 # a layer of it before the lane thread takes it back: far longer than the engine loop takes
 # between two ``help`` calls, so only an engine thread stuck elsewhere loses it
@@ -103,7 +123,10 @@ class LaneResult:
     error: BaseException | None
     elapsed_s: float
     started: float  # time.monotonic() when the lane started computing it
-    helped: bool = False  # the engine thread computed some of its layers (``widen``, ``help``)
+    # what a prompt token costs the lane's thread: its own time computing this prompt's layers
+    # over the share of the prompt it computed (the engine thread may compute the rest: ``help``),
+    # in ms per token of a whole prompt; None if it computed no layer of it
+    lane_ms_per_token: float | None = None
 
 
 class PrefillLane:
@@ -124,13 +147,13 @@ class PrefillLane:
         self.on_done = on_done
         self.depth = depth
         self._lock = threading.Lock()
-        # Who computes the prompt's next layer: the lane thread, unless the engine thread holds
-        # the prompt (``widen`` until ``narrow``; it computes layers in ``help``). Under
-        # ``_lock`` (``_turns`` waits on it) with what follows.
+        # Who computes the prompt's next layer (``_lane_part``, ``_engine_part``): the lane
+        # thread, but for the second half beside it when the engine thread helps and the rest
+        # while the engine thread holds the prompt (``widen`` until ``narrow``). Under ``_lock``
+        # (``_turns`` waits on it) with what follows, and each part's ``by``.
         self._turns = threading.Condition(self._lock)
         self.engine_holds = False
         self._held_at = 0.0  # time.monotonic() of the engine thread's last ``widen`` or ``help``
-        self._layer_by: str | None = None  # "lane" or "engine" while a layer computes
         self._job: _Job | None = None  # the prompt computing now
         self._stopping = False
         # request ids submitted and not yet taken back, in order (the engine thread's view)
@@ -172,9 +195,8 @@ class PrefillLane:
             return None
         self.pending.remove(result.seq.request_id)
         self._cancelled.discard(result.seq.request_id)
-        if result.output is not None and not result.helped and result.seq.token_ids:
-            sample = result.elapsed_s * 1000.0 / len(result.seq.token_ids)
-            self.ms_per_token = moving_average(self.ms_per_token, sample, LANE_COST_SMOOTHING)
+        if result.output is not None and result.lane_ms_per_token is not None:
+            self.ms_per_token = moving_average(self.ms_per_token, result.lane_ms_per_token, LANE_COST_SMOOTHING)
         return result
 
     def backlog_ms(self, now: float) -> float | None:
@@ -200,10 +222,12 @@ class PrefillLane:
 
     def widen(self) -> None:
         """The engine thread has nothing to step: it takes over the prompt computing now from
-        the lane's next layer boundary on, and computes its layers on all its threads (``help``)
-        until ``narrow``; the lane thread waits meanwhile. So the lane's thread never runs a
-        parallel region of more than ``threads``: a second OpenMP team of two threads in the
-        process would make libgomp cut the spin-wait of every team's barriers (more OpenMP
+        the lane's next layer boundary on, and computes its layers (``help``) until ``narrow``.
+        The lane thread goes on with the first half of a prompt read in halves (the engine
+        thread reads the second beside it, on its own threads less the lane's), and otherwise
+        waits: the engine thread then computes on all its threads. So the lane's thread never
+        runs a parallel region of more than ``threads``: a second OpenMP team of two threads in
+        the process would make libgomp cut the spin-wait of every team's barriers (more OpenMP
         threads than CPUs) and slow the engine's steps from then on (engine/engine_loop.py)."""
         with self._lock:
             self.engine_holds, self._held_at = True, time.monotonic()
@@ -213,22 +237,41 @@ class PrefillLane:
         with self._lock:
             return self.engine_holds and self._job is not None and not self._job.finished
 
-    def help(self, timeout_s: float = 2.0) -> bool:
-        """On the engine thread, after ``widen``: compute the next layer of the prompt under way
-        on this thread's torch threads. Waits for the layer the lane thread computes, if any (at
-        most ``timeout_s``). False if there was nothing to compute or on that timeout."""
+    def can_help_beside(self) -> bool:
+        """The lane reads the first half of a prompt read in halves, and the second half's next
+        layer is ready for the engine thread (``help`` would compute it without waiting)."""
+        with self._lock:
+            job = self._job
+            return job is not None and job.beside and self._engine_part(job) is not None
+
+    def help(self, threads: int, timeout_s: float = 2.0) -> bool:
+        """On the engine thread: compute the next layer of the prompt under way, then return.
+        Beside the lane (a prompt read in halves, the lane on its first): the second half's,
+        on ``threads`` less the lane's threads, once the first half is a layer ahead (waiting
+        for that at most ``timeout_s``). Otherwise only after ``widen``: the layer after the one
+        the lane thread computes (waiting for that), on all ``threads``. False if there was
+        nothing to compute or on that timeout. The engine thread's torch threads are ``threads``
+        less the lane's afterwards, as while the lane holds any prompt."""
         deadline = time.monotonic() + timeout_s
         with self._lock:
-            while self._layer_by is not None:
+            while True:
+                job = self._job
+                if job is None or job.finished or not (job.beside or self.engine_holds):
+                    return False
+                part = self._engine_part(job)
+                if part is not None:
+                    break
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return False
                 self._turns.wait(left)
-            job = self._job
-            if not self.engine_holds or job is None or job.finished:
-                return False
-            self._layer_by, job.helped, self._held_at = "engine", True, time.monotonic()
-        self._compute(job)
+            part.by, self._held_at = "engine", time.monotonic()
+            beside = job.beside
+        torch.set_num_threads(threads - self.threads if beside else threads)
+        try:
+            self._compute(job, part)
+        finally:
+            torch.set_num_threads(threads - self.threads)
         return True
 
     def narrow(self) -> None:
@@ -261,20 +304,24 @@ class PrefillLane:
             if seq.request_id in self._cancelled:
                 result = LaneResult(seq, None, None, 0.0, started)
             else:
-                step = SchedulerOutput(seqs=[seq], num_batched_tokens=len(seq.token_ids), preempted_ids=[])
                 with self._lock:
                     self._current_tokens, self._current_started = len(seq.token_ids), started
                 try:
-                    job = _Job(self.runner.execute_layers(step))
+                    job = _Job([_Part(self.runner.execute_layers(SchedulerOutput(
+                        seqs=[part], num_batched_tokens=len(part.token_ids), preempted_ids=[])), len(part.token_ids))
+                        for part in split_prompt(seq)])
                 except Exception as exc:  # the engine thread fails this request alone
-                    job = _Job(None, error=exc, finished=True)
+                    job = _Job([], error=exc)
                 with self._lock:
                     self._job = job
-                while self._lane_turn(job):
-                    self._compute(job)
+                while (part := self._lane_turn(job)) is not None:
+                    self._compute(job, part)
                 if not job.finished:  # stop() came first
                     job.error = RuntimeError("the prefill lane stopped before it computed this prompt")
-                result = LaneResult(seq, job.output, job.error, time.perf_counter() - clock, started, job.helped)
+                num_layers = len(self.runner.kv_cache.layers)
+                lane_ms = (job.lane_s * 1000.0 * num_layers / job.lane_token_layers
+                           if job.lane_token_layers else None)
+                result = LaneResult(seq, job.output, job.error, time.perf_counter() - clock, started, lane_ms)
             with self._lock:
                 self._job = None
                 self._computed_s += time.monotonic() - started
@@ -284,42 +331,103 @@ class PrefillLane:
             if self.on_done is not None:
                 self.on_done()
 
-    def _lane_turn(self, job: _Job) -> bool:
-        """On the lane thread: wait while the engine thread holds the prompt (or computes a layer
-        of it); True when the lane thread is to compute the next layer, False once it is done.
-        An engine thread that holds the prompt but has computed none of it for
-        ``ENGINE_HOLD_S`` loses it back to the lane."""
+    def _lane_turn(self, job: _Job) -> _Part | None:
+        """On the lane thread: the part whose next layer it computes now (its turn taken), once
+        one is its to compute; None once the prompt is done (or the lane stops). The first half
+        of a prompt read in halves is the lane thread's alone; the rest it computes only while
+        the engine thread does not hold the prompt (``widen``). An engine thread that holds the
+        prompt but has computed none of it for ``ENGINE_HOLD_S`` loses it back to the lane."""
         with self._lock:
             while not job.finished and not self._stopping:
-                if self._layer_by is None and not (
-                        self.engine_holds and time.monotonic() - self._held_at < ENGINE_HOLD_S):
-                    break
+                part = self._lane_part(job)
+                if part is not None:
+                    part.by = "lane"
+                    return part
                 self._turns.wait(ENGINE_HOLD_S)
-            if job.finished or self._stopping:
-                return False
-            self._layer_by = "lane"
-            return True
+            return None
 
-    def _compute(self, job: _Job) -> None:
-        """Compute ``job``'s next layer on this thread (its turn: ``_layer_by`` is set), then
+    def _lane_part(self, job: _Job) -> _Part | None:
+        """Under ``_lock``: the part the lane thread may compute a layer of now, if any."""
+        if job.beside:
+            return job.parts[0] if job.parts[0].by is None else None
+        holding = self.engine_holds and time.monotonic() - self._held_at < ENGINE_HOLD_S
+        part = job.parts[-1]
+        return None if holding or part.by is not None else part
+
+    def _engine_part(self, job: _Job) -> _Part | None:
+        """Under ``_lock``: the part the engine thread may compute a layer of now, if any: the
+        second half beside the lane once the first is a layer ahead of it, else (the engine
+        holding the prompt) its last unfinished part when no thread computes it."""
+        part = job.parts[-1]
+        if part.by is not None or part.finished:
+            return None
+        if job.beside:
+            return part if part.done < job.parts[0].done else None
+        return part if self.engine_holds else None
+
+    def _compute(self, job: _Job, part: _Part) -> None:
+        """Compute ``part``'s next layer on this thread (its turn: ``part.by`` is set), then
         give the turn back."""
+        on_lane, started = part.by == "lane", time.perf_counter()
         try:
-            next(job.layers)
+            next(part.layers)
+            part.done += 1
+            if on_lane:
+                job.lane_s += time.perf_counter() - started
+                job.lane_token_layers += part.tokens
         except StopIteration as stop:
-            job.output, job.finished = stop.value, True
+            part.output, part.finished = stop.value, True
         except Exception as exc:  # the engine thread fails this request alone
-            job.error, job.finished = exc, True
+            job.error = exc
         with self._lock:
-            self._layer_by = None
+            part.by = None
             self._turns.notify_all()
+
+
+def split_prompt(seq: ScheduledSeq) -> list[ScheduledSeq]:
+    """The prompt as the lane reads it: whole, or (``SPLIT_MIN_TOKENS`` or more, no prompt
+    logprobs, no KV export) its first half, which samples nothing, and its second half, which
+    samples the first token as the whole prompt would."""
+    num = len(seq.token_ids)
+    if num < SPLIT_MIN_TOKENS or seq.prompt_logprobs is not None or seq.export_from is not None:
+        return [seq]
+    half = num // 2
+    return [replace(seq, token_ids=seq.token_ids[:half], sampling=None),
+            replace(seq, token_ids=seq.token_ids[half:], start_pos=seq.start_pos + half)]
+
+
+@dataclass(slots=True)
+class _Part:
+    """A row range of the lane's prompt: its forward, layer by layer (ModelRunner.execute_layers)."""
+
+    layers: Generator[int, None, RunnerOutput]
+    tokens: int  # its prompt tokens
+    done: int = 0  # layers computed
+    by: str | None = None  # "lane" or "engine" while a thread computes its next layer
+    finished: bool = False  # its forward returned
+    output: RunnerOutput | None = None
 
 
 @dataclass(slots=True)
 class _Job:
-    """The prompt the lane computes now: its forward, layer by layer (ModelRunner.execute_layers)."""
+    """The prompt the lane computes now: one part, or two halves (``split_prompt``)."""
 
-    layers: Generator[int, None, RunnerOutput] | None  # None: it could not start (``error``)
-    output: RunnerOutput | None = None
-    error: BaseException | None = None
-    finished: bool = False  # its forward returned or raised
-    helped: bool = False  # the engine thread computed some of its layers
+    parts: list[_Part]
+    error: BaseException | None = None  # it could not start, or a part's forward raised
+    lane_s: float = 0.0  # the lane thread's time computing its layers
+    lane_token_layers: int = 0  # what it computed of them: a part's tokens per layer
+
+    @property
+    def finished(self) -> bool:
+        return self.error is not None or all(part.finished for part in self.parts)
+
+    @property
+    def beside(self) -> bool:
+        """Read in halves, the first not done: the lane thread computes it, the engine thread
+        may compute the second's layers beside it."""
+        return len(self.parts) == 2 and not self.parts[0].finished
+
+    @property
+    def output(self) -> RunnerOutput | None:
+        """The last part's output: the first token (None on an error)."""
+        return None if self.error is not None else self.parts[-1].output

@@ -71,6 +71,7 @@ def worker_stats(core: EngineCore, role: str, address: str, kv_bytes_sent: int =
         prefill_chunk_tokens_sum=scheduler.step_budget.chunk_sum, max_num_seqs=scheduler.config.max_num_seqs,
         num_lane_prompts=counters.num_lane_prompts, num_lane_prompt_tokens=counters.num_lane_prompt_tokens,
         lane_busy_ms=round(counters.lane_busy_s * 1000), stream_pace_ms=core.stream_pace_ms(),
+        num_lane_layers_helped=counters.lane_layers_helped,
         lane_ms_per_token=(core.lane.ms_per_token if core.lane is not None else None) or 0.0,
         lane_slowdown=tradeoff.slowdown or 0.0, step_ms_per_prompt_token=tradeoff.step_ms_per_token or 0.0,
         **dataclasses.asdict(scheduler.step_budget.totals),

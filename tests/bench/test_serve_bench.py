@@ -426,11 +426,11 @@ def test_the_step_profile_of_a_run_is_the_difference_of_its_counters():
 def test_the_lane_profile_of_a_run_is_the_difference_of_its_counters():
     from bench.compare import lane_profile
 
-    before = {"num_lane_prompts": 4, "num_lane_prompt_tokens": 1000, "lane_busy_ms": 2000}
-    after = {"num_lane_prompts": 10, "num_lane_prompt_tokens": 2500, "lane_busy_ms": 5000}
+    before = {"num_lane_prompts": 4, "num_lane_prompt_tokens": 1000, "lane_busy_ms": 2000, "num_lane_layers_helped": 7}
+    after = {"num_lane_prompts": 10, "num_lane_prompt_tokens": 2500, "lane_busy_ms": 5000, "num_lane_layers_helped": 50}
     profile = lane_profile(before, after, duration_s=6.0)
     assert profile == pytest.approx({"prompts": 6, "tokens": 1500, "ms_per_prompt": 500.0, "busy_share": 0.5,
-                                     "ms_per_token": 0.0, "slowdown": 0.0, "stream_ms_per_token_lane": 0.0,
+                                     "layers_helped": 43, "ms_per_token": 0.0, "slowdown": 0.0, "stream_ms_per_token_lane": 0.0,
                                      "stream_ms_per_token_steps": 0.0})  # no measures of the cost in these totals
     # the engine's measures at the end of the run: a token on the lane's thread at 0.9 ms, the steps beside
     # it 1.5x as long (the streams lose a third of their steps meanwhile), one in the steps at 0.4 ms

@@ -93,12 +93,21 @@ def assert_plain_engines_tokens(model_dir, streams: SamplingParams, prompts: dic
 
 
 def wrap_lane(core, before=None):
-    """Count the prompts the lane computes and run ``before`` on its thread before each."""
+    """Count the prompts the lane computes (request id, prompt tokens, thread) and run ``before``
+    on its thread before each. A prompt read in halves (split_prompt) counts once: its first
+    half, which samples nothing, then its second."""
     runner = core.lane.runner
-    execute_layers, seen = runner.execute_layers, []
+    execute_layers, seen, first_half = runner.execute_layers, [], []
 
     def recording(step):
-        seen.append((step.seqs[0].request_id, len(step.seqs[0].token_ids), threading.current_thread().name))
+        seq = step.seqs[0]
+        if first_half and first_half.pop() == seq.request_id:  # the second half of the prompt just counted
+            request_id, tokens, thread = seen[-1]
+            seen[-1] = (request_id, tokens + len(seq.token_ids), thread)
+            return execute_layers(step)
+        if seq.sampling is None:
+            first_half.append(seq.request_id)
+        seen.append((seq.request_id, len(seq.token_ids), threading.current_thread().name))
         if before is not None:
             before()
         return execute_layers(step)
@@ -493,8 +502,8 @@ def test_the_lane_measures_its_ms_per_token_on_its_own_threads_alone(tiny_llama_
         while core.counters.num_lane_prompts == 0:  # the streams keep the engine thread stepping
             assert time.monotonic() < deadline, "the lane did not compute its prompt"
             step()
-        measured = core.lane.ms_per_token
-        assert measured == pytest.approx(core.counters.lane_busy_s * 1000.0 / 150)
+        measured = core.lane.ms_per_token  # its layers' time, within the prompt's whole time on the lane
+        assert 0.5 * core.counters.lane_busy_s * 1000.0 / 150 < measured <= core.counters.lane_busy_s * 1000.0 / 150
 
         release.clear()
         core.add_request(core.make_request("wide", long_prompt(71, 150), GREEDY))
@@ -507,7 +516,7 @@ def test_the_lane_measures_its_ms_per_token_on_its_own_threads_alone(tiny_llama_
         release.set()
         drain(core, step)
         assert core.counters.num_lane_prompts == 2
-        assert core.lane.ms_per_token == measured  # a prompt computed on more threads is not the lane's cost
+        assert core.lane.ms_per_token == measured  # the engine thread computed every layer: not the lane's cost
     finally:
         release.set()
         core.close()
@@ -675,34 +684,46 @@ def test_the_engine_counts_its_steps_and_their_time_apart_for_decode_only_and_pr
         assert executed_ms <= counted_ms <= executed_ms + 1.0 * len(steps)
 
 
+def record_layers(core, layers: list[tuple[str, int, str, int]], holds: dict | None = None,
+                  reached: threading.Event | None = None):
+    """Record each layer the lane's prompts compute: (which part: whole, first or second half,
+    layer, thread, its torch threads), in the order they end. ``holds``: {(part, layer): event}
+    (read at each layer): the thread that computed that layer sets ``reached`` and waits for
+    the event before it goes on (still inside its turn)."""
+    execute_layers = core.lane.runner.execute_layers
+
+    def recorded(step):
+        seq = step.seqs[0]
+        part = "first" if seq.sampling is None else "second" if seq.start_pos > 0 else "whole"
+        inner = execute_layers(step)
+
+        def layer_by_layer():
+            while True:
+                try:
+                    index = next(inner)
+                except StopIteration as stop:
+                    return stop.value
+                layers.append((part, index, threading.current_thread().name, torch.get_num_threads()))
+                if holds and (part, index) in holds:
+                    if reached is not None:
+                        reached.set()
+                    assert holds[part, index].wait(60)
+                yield index
+
+        return layer_by_layer()
+
+    core.lane.runner.execute_layers = recorded
+
+
 def test_with_nothing_to_step_the_engine_thread_computes_the_lanes_layers_and_gives_them_back_to_step(
         lane_core, smollm_dir):
     """The lane's thread keeps its one torch thread: while the engine thread has nothing to step,
     it computes the lane's prompt itself on both of its threads, a layer per step() call, and
     the lane thread goes on once the engine steps again (a second OpenMP team of two threads
     would slow every engine step: engine/engine_loop.py)."""
-    execute_layers = lane_core.lane.runner.execute_layers
-    layers: list[tuple[int, str, int]] = []  # (layer, the thread that computed it, its torch threads)
+    layers: list[tuple[str, int, str, int]] = []
     gate, reached = threading.Event(), threading.Event()
-
-    def gated(step):
-        inner = execute_layers(step)
-
-        def recorded():
-            while True:
-                try:
-                    index = next(inner)
-                except StopIteration as stop:
-                    return stop.value
-                layers.append((index, threading.current_thread().name, torch.get_num_threads()))
-                if index == 1:  # hold the lane thread inside its turn for layer 1
-                    reached.set()
-                    assert gate.wait(60)
-                yield index
-
-        return recorded()
-
-    lane_core.lane.runner.execute_layers = gated
+    record_layers(lane_core, layers, {("whole", 1): gate}, reached)  # the lane thread stops in layer 1
     try:
         short = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
         tokens = start_streams(lane_core, params=short)
@@ -720,7 +741,7 @@ def test_with_nothing_to_step_the_engine_thread_computes_the_lanes_layers_and_gi
         gate.set()
         assert helped.wait(30)
         helper.join(30)
-        assert layers[2] == (2, "engine-stand-in", 2)
+        assert layers[2] == ("whole", 2, "engine-stand-in", 2)
         assert lane_core.lane_wants_help()  # the prompt has layers left, and the engine holds it
         lane_core.add_request(lane_core.make_request("late", [5, 6, 7], short))
         lane_core.step()  # a step to run: the lane thread gets the prompt back
@@ -729,11 +750,10 @@ def test_with_nothing_to_step_the_engine_thread_computes_the_lanes_layers_and_gi
             tokens.setdefault(request_id, []).extend(new)
     finally:
         gate.set()
-        lane_core.lane.runner.execute_layers = execute_layers
-    assert [index for index, _, _ in layers] == list(range(30))
-    assert {(thread, threads) for _, thread, threads in layers if thread != "engine-stand-in"} <= {
+    assert [index for _, index, _, _ in layers] == list(range(30))
+    assert {(thread, threads) for _, _, thread, threads in layers if thread != "engine-stand-in"} <= {
         ("prefill-lane", 1), ("MainThread", 2)}
-    assert any(thread == "prefill-lane" for _, thread, _ in layers[3:])  # given back after "late" came
+    assert any(thread == "prefill-lane" for _, _, thread, _ in layers[3:])  # given back after "late" came
     assert torch.get_num_threads() == 2
 
     plain = build(smollm_dir, None)
@@ -742,6 +762,96 @@ def test_with_nothing_to_step_the_engine_thread_computes_the_lanes_layers_and_gi
     finally:
         plain.close()
     assert tokens["long"] == reference["long"]  # the same tokens, on one thread or two
+
+
+def test_beside_streams_with_slack_the_engine_thread_reads_the_second_half_a_layer_behind_the_first(smollm_dir):
+    """A prompt of SPLIT_MIN_TOKENS or more is read in halves: the lane thread reads the first;
+    between its steps, while the streams' pace is under --prefill-lane-help-ms, the engine
+    thread reads layers of the second on its one thread, each only once the first half has
+    that layer's KV; not while the streams are slower. The tokens are those of an engine
+    without a lane."""
+    from engine.prefill_lane import SPLIT_MIN_TOKENS
+
+    core = build(smollm_dir, LANE_MIN, prefill_lane_help_ms=1e6)  # any pace has slack
+    layers: list[tuple[str, int, str, int]] = []
+    prompts = {"long": long_prompt(50, SPLIT_MIN_TOKENS + 40), "late": long_prompt(51, SPLIT_MIN_TOKENS + 10),
+               "idle": long_prompt(52, SPLIT_MIN_TOKENS + 60)}
+    streams = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
+    gate, reached = threading.Event(), threading.Event()
+    holds = {("first", 3): gate}
+    try:
+        record_layers(core, layers, holds, reached)  # the first half stops after its layer 3
+        tokens = start_streams(core, params=streams)
+        for _ in range(3):  # the streams' pace is measured
+            step_into(core, tokens)
+        core.add_request(core.make_request("long", prompts["long"], GREEDY))
+        deadline = time.monotonic() + 60
+        while ("first", 3, "prefill-lane", 1) not in layers:
+            assert time.monotonic() < deadline
+            step_into(core, tokens)
+        for _ in range(8):  # the engine thread catches up with the first half, and waits there
+            step_into(core, tokens)
+        assert [index for part, index, _, _ in layers if part == "second"] == [0, 1, 2]
+        gate.set()
+        while "long" not in tokens:
+            step_into(core, tokens)
+        assert core.counters.num_lane_prompts == 1
+        assert core.lane.ms_per_token > 0  # measured on the layers its own thread computed
+        by_engine = [(index, threads) for part, index, thread, threads in layers if thread == "MainThread"]
+        assert by_engine and {threads for _, threads in by_engine} == {1}  # its own thread, the lane has the other
+        assert core.counters.lane_layers_helped == len(by_engine)
+        assert {(part, thread) for part, _, thread, _ in layers} <= {
+            ("first", "prefill-lane"), ("second", "prefill-lane"), ("second", "MainThread")}
+        for position, (part, index, _, _) in enumerate(layers):
+            if part == "second":  # the first half had computed that layer before
+                assert ("first", index) in [(p, i) for p, i, _, _ in layers[:position]]
+        assert [i for p, i, _, _ in layers if p == "first"] == [i for p, i, _, _ in layers if p == "second"] == list(
+            range(30))
+
+        # streams slower than the bound: the lane reads both halves alone
+        helped, layers[:] = core.counters.lane_layers_helped, []
+        core.scheduler.step_budget.pace.ms = lambda now: 2e6
+        core.add_request(core.make_request("late", prompts["late"], GREEDY))
+        while "late" not in tokens:
+            step_into(core, tokens)
+        assert core.counters.lane_layers_helped == helped
+        assert {thread for _, _, thread, _ in layers} == {"prefill-lane"} and len(layers) == 60
+        for request_id in ("s0", "s1"):
+            core.abort_request(request_id)
+        for request_id, new in run(core, []).items():
+            tokens.setdefault(request_id, []).extend(new)
+
+        # the streams end while the lane reads the first half: with nothing to step, the engine
+        # thread reads the second beside it on its one thread, and the rest on both once the
+        # first half is done
+        layers[:], idle = [], threading.Event()
+        reached.clear()
+        holds[("first", 0)] = idle
+        start_streams(core, params=SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
+        core.add_request(core.make_request("idle", prompts["idle"], GREEDY))
+        step_into(core, tokens)
+        assert reached.wait(30)
+        while core.scheduler.running:
+            step_into(core, tokens)
+        idle.set()
+        while "idle" not in tokens:
+            step_into(core, tokens)
+        by_engine = [(index, threads) for part, index, thread, threads in layers if thread == "MainThread"]
+        assert {threads for _, threads in by_engine} == {1, 2} and by_engine[-1] == (29, 2)
+        assert all(part == "second" for part, _, thread, _ in layers if thread == "MainThread")
+        for request_id, new in run(core, []).items():
+            tokens.setdefault(request_id, []).extend(new)
+        drain(core, core.step)
+    finally:
+        for event in holds.values():
+            event.set()
+        core.close()
+    plain = build(smollm_dir, None)
+    try:
+        reference = run(plain, list(prompts.items()))
+    finally:
+        plain.close()
+    assert {name: tokens[name] for name in prompts} == reference
 
 
 class SetTradeoff:
