@@ -795,7 +795,8 @@ def colocated_variants(budgets: list[int], step_ms: list[str], lane_tokens: list
             raise ValueError(f"--colocated-lane-help-ms takes numbers > 0 or off, got {help_ms!r}")
         variants.append((f"-help{help_ms}", ["--prefill-lane-help-ms", help_ms],
                          "the engine thread helps the prefill lane only when idle" if help_ms == "off"
-                         else f"the engine thread helps the prefill lane while the streams' pace is under {help_ms} ms"))
+                         else f"the engine thread helps the prefill lane while the streams' pace is under "
+                              f"{help_ms} ms"))
     return variants or [("", [], "its defaults")]
 
 
