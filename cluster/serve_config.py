@@ -193,10 +193,10 @@ class ServeConfig:
         f"{DEFAULT_PREFILL_LANE_PACE_MS:g})")
     prefill_lane_help_ms: float | None = flag(
         DEFAULT_PREFILL_LANE_HELP_MS, _help_ms,
-        f"while the prefill lane reads a prompt of {SPLIT_MIN_TOKENS}+ tokens and the decoding streams get their "
-        "tokens less than this many ms apart, the worker's engine thread reads the prompt's second half beside the "
-        "lane, a layer between two of its steps ('off': only while it has nothing to step; default "
-        f"{DEFAULT_PREFILL_LANE_HELP_MS:g})")
+        f"while the prefill lane reads a prompt of {SPLIT_MIN_TOKENS}+ tokens, the worker's engine thread reads a "
+        "layer of the prompt's second half beside the lane between two of its steps when the last step and that "
+        "layer take at most this many ms together, so the streams' tokens stay about this far apart at most "
+        f"('off': only while it has nothing to step; default {DEFAULT_PREFILL_LANE_HELP_MS:g})")
     max_queue: int = flag(256, int, "sequences (prompts x n) in flight before new requests get 429; tokenize "
                                     "calls count one")
     scheduling_policy: str = flag("fcfs", help="fcfs: arrival order everywhere; priority: requests run by their "

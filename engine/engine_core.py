@@ -29,14 +29,14 @@ from engine.models.loader import load_model
 from engine.models.ops import select_ops
 from engine.outputs import FinishReason, Logprob, PositionLogprobs
 from engine.platform import resolve_device
-from engine.prefill_lane import LaneResult, PrefillLane
+from engine.prefill_lane import HELP_COST_SMOOTHING, LaneResult, PrefillLane
 from engine.remote_kv import KVExport, KVExporter, KVFailurePolicy, KVImporter, PrefillTiming
 from engine.request import ErrorScope, Request, RequestStatus, RequestTimes
 from engine.request_queue import SchedulingPolicy
 from engine.sampling_params import InvalidParam, SamplingParams
 from engine.scheduler import Scheduler, TokenUpdate
 from engine.scheduler_types import SampledToken, TokenLogprobs
-from engine.step_budget import StepShape
+from engine.step_budget import StepShape, moving_average
 
 
 def _outside_vocab(ids, vocab: int) -> list:
@@ -144,6 +144,8 @@ class EngineCore:
         # the prefill lane (engine/prefill_lane.py): on a CPU with threads to lend it one
         self.num_threads = torch.get_num_threads()  # this (the engine) thread's, between lane prompts
         self.lane: PrefillLane | None = None
+        self._last_step_ms = 0.0  # the last forward's time (``_help_beside``)
+        self._help_ms_per_token: float | None = None  # this thread's ms per token of a lane layer it read beside
         if config.scheduler.prefill_lane_min_tokens is not None and device.type == "cpu" and self.num_threads >= 2:
             self.lane = PrefillLane(ModelRunner(self.model, self.kv_cache, backend))
             self.scheduler.lane = self.lane
@@ -359,8 +361,7 @@ class EngineCore:
             # a layer per call; beside streams with slack, a layer of its second half per step
             if scheduled.seqs:
                 self.lane.narrow()
-                if self._streams_have_slack() and self.lane.can_help_beside():
-                    self.counters.lane_layers_helped += self.lane.help(self.num_threads, timeout_s=0.0)
+                self._help_beside()
             else:
                 self._help_lane()
         if not scheduled.seqs:
@@ -384,6 +385,7 @@ class EngineCore:
                 self.kv_exporter.close(seq.request_id, FinishReason.ERROR)
             raise
         elapsed_s, ended_at = time.perf_counter() - started, time.monotonic()
+        self._last_step_ms = elapsed_s * 1000.0
         lane_share = 0.0 if lane_from is None else (self._lane_computed(ended_at) - lane_from) / max(elapsed_s, 1e-6)
         self.scheduler.step_budget.observe(StepShape(
             scheduled.num_decodes, scheduled.num_batched_tokens - scheduled.num_decodes, elapsed_s,
@@ -437,12 +439,23 @@ class EngineCore:
         self.lane.widen()
         self.counters.lane_layers_helped += self.lane.help(self.num_threads)
 
-    def _streams_have_slack(self) -> bool:
-        """The decoding streams get their tokens less than ``prefill_lane_help_ms`` apart now
-        (StreamPace): this thread may read a layer of the lane's prompt between two steps."""
+    def _help_beside(self) -> None:
+        """Between two steps: read a layer of the second half of the lane's prompt on this
+        thread if the streams can wait for it, that is if the last step and the layer (by this
+        thread's measured ms per token of such layers) take at most ``prefill_lane_help_ms``
+        together (engine/prefill_lane.py)."""
         bound = self.config.scheduler.prefill_lane_help_ms
-        pace = self.scheduler.step_budget.pace.ms(time.monotonic()) if bound is not None else None
-        return pace is not None and pace < bound
+        tokens = self.lane.beside_tokens() if bound is not None else None
+        if tokens is None:
+            return
+        layer_ms = tokens * self._help_ms_per_token if self._help_ms_per_token is not None else 0.0
+        if self._last_step_ms + layer_ms > bound:
+            return
+        started = time.perf_counter()
+        if self.lane.help(self.num_threads, timeout_s=0.0):
+            self.counters.lane_layers_helped += 1
+            sample = (time.perf_counter() - started) * 1000.0 / tokens
+            self._help_ms_per_token = moving_average(self._help_ms_per_token, sample, HELP_COST_SMOOTHING)
 
     def lane_wants_help(self) -> bool:
         """This thread holds the lane's prompt and it has layers left (the loop steps on)."""

@@ -19,11 +19,10 @@ computing and one queued behind it), lends the lane
 one of its threads for as long as it holds any (and while it has nothing to step, computes the
 lane's prompt itself on all of them, a layer at a time: ``widen``, ``help``, ``narrow``), and
 takes the results back between two steps. A prompt of ``SPLIT_MIN_TOKENS`` or more is read in
-two halves, the second a layer behind the first: while the streams get their tokens faster than
-``--prefill-lane-help-ms``, the engine thread reads a layer of the second half between two of
-its steps on its own thread, beside the lane's thread on the first, so the prompt has both
-cores while the streams can spare them (a 1000-token prompt beside three streams on the
-family-25 EPYC: 1.50 s alone on the lane, 1.28 s helped, the streams' tokens 34 then 47 ms apart);
+two halves, the second a layer behind the first: when its last step and such a layer take at
+most ``--prefill-lane-help-ms`` together, the engine thread reads a layer of the second half
+between two of its steps on its own thread, beside the lane's thread on the first, so the
+prompt has both cores while the streams can spare them (DEFAULT_PREFILL_LANE_HELP_MS);
 each request then joins the batch with its first token, as one whose KV came from a prefill
 worker does. While the lane is full, the next prompt for it waits at the head of the queue
 rather than stall the streams in a step (and what arrived after it waits too): the streams'
@@ -91,13 +90,18 @@ DEFAULT_PREFILL_LANE_POLICY = "pace"
 # little under the 100 ms TPOT SLO of the capacity searches; 70 sent more prompts to the lane
 # for a lower TPOT p90 and a higher TTFT p90 (75 / 689 ms against 83 / 660 at 2.32 req/s).
 DEFAULT_PREFILL_LANE_PACE_MS = 80.0
-# `--prefill-lane-help-ms` default: while the lane reads a prompt in halves (SPLIT_MIN_TOKENS)
-# and the decoding streams get their tokens less than this many ms apart (StreamPace), the
-# engine thread reads a layer of its second half between two steps, on its own thread: the
-# prompt gets both cores while the streams can spare the time. The streams then slow to about
-# this pace (a step and a layer), which stays under the pace policy's bound, so that they do
-# not push the next prompts into the lane by it.
-DEFAULT_PREFILL_LANE_HELP_MS = 60.0
+# `--prefill-lane-help-ms` default: while the lane reads a prompt in halves (SPLIT_MIN_TOKENS),
+# the engine thread reads a layer of its second half between two steps, on its own thread,
+# when its last step and that layer take at most this many ms together: the prompt gets both
+# cores while the streams can spare the time, and their tokens stay at most about this far
+# apart: the pace policy's bound. On the family-25 EPYC a layer of a 1000-token prompt's half
+# takes ~30 ms on one thread and a decode step beside the lane 30-35, so 60 let the engine
+# thread read one layer in a whole prompt, 80 about ten (a 1000-token prompt beside three
+# streams: 1.55 s alone on the lane, 1.27 s helped, the streams' tokens 35 then 45 ms apart).
+DEFAULT_PREFILL_LANE_HELP_MS = 80.0
+# the weight of the newest layer in the moving average of what a layer of a prompt's second half
+# costs the engine thread per token (EngineCore._help_beside)
+HELP_COST_SMOOTHING = 0.25
 # the weight of the newest prompt in the moving average of the lane's ms per prompt token
 LANE_COST_SMOOTHING = 0.25
 # A prompt with at least this many tokens to compute is read in two halves (``_Part``): the lane
@@ -237,12 +241,14 @@ class PrefillLane:
         with self._lock:
             return self.engine_holds and self._job is not None and not self._job.finished
 
-    def can_help_beside(self) -> bool:
+    def beside_tokens(self) -> int | None:
         """The lane reads the first half of a prompt read in halves, and the second half's next
-        layer is ready for the engine thread (``help`` would compute it without waiting)."""
+        layer is ready for the engine thread (``help`` would compute it without waiting): that
+        half's tokens; else None."""
         with self._lock:
             job = self._job
-            return job is not None and job.beside and self._engine_part(job) is not None
+            part = self._engine_part(job) if job is not None and job.beside else None
+            return None if part is None else part.tokens
 
     def help(self, threads: int, timeout_s: float = 2.0) -> bool:
         """On the engine thread: compute the next layer of the prompt under way, then return.
@@ -275,7 +281,8 @@ class PrefillLane:
         return True
 
     def narrow(self) -> None:
-        """The engine thread steps again: the lane thread computes the prompt's next layers."""
+        """The engine thread steps again: the lane thread computes the prompt's next layers (the
+        engine thread may still compute the second half's beside it: ``help``)."""
         with self._lock:
             self.engine_holds = False
             self._turns.notify_all()

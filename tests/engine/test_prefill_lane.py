@@ -9,6 +9,7 @@ import functools
 import sys
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -766,13 +767,13 @@ def test_with_nothing_to_step_the_engine_thread_computes_the_lanes_layers_and_gi
 
 def test_beside_streams_with_slack_the_engine_thread_reads_the_second_half_a_layer_behind_the_first(smollm_dir):
     """A prompt of SPLIT_MIN_TOKENS or more is read in halves: the lane thread reads the first;
-    between its steps, while the streams' pace is under --prefill-lane-help-ms, the engine
+    between its steps, while a step and a layer fit in --prefill-lane-help-ms, the engine
     thread reads layers of the second on its one thread, each only once the first half has
-    that layer's KV; not while the streams are slower. The tokens are those of an engine
-    without a lane."""
+    that layer's KV; with a bound no step fits in, it does not. The tokens are those of an
+    engine without a lane."""
     from engine.prefill_lane import SPLIT_MIN_TOKENS
 
-    core = build(smollm_dir, LANE_MIN, prefill_lane_help_ms=1e6)  # any pace has slack
+    core = build(smollm_dir, LANE_MIN, prefill_lane_help_ms=1e6)  # any step and layer fit
     layers: list[tuple[str, int, str, int]] = []
     prompts = {"long": long_prompt(50, SPLIT_MIN_TOKENS + 40), "late": long_prompt(51, SPLIT_MIN_TOKENS + 10),
                "idle": long_prompt(52, SPLIT_MIN_TOKENS + 60)}
@@ -808,9 +809,9 @@ def test_beside_streams_with_slack_the_engine_thread_reads_the_second_half_a_lay
         assert [i for p, i, _, _ in layers if p == "first"] == [i for p, i, _, _ in layers if p == "second"] == list(
             range(30))
 
-        # streams slower than the bound: the lane reads both halves alone
+        # a step and a layer take longer than the bound: the lane reads both halves alone
         helped, layers[:] = core.counters.lane_layers_helped, []
-        core.scheduler.step_budget.pace.ms = lambda now: 2e6
+        core.config = replace(core.config, scheduler=replace(core.config.scheduler, prefill_lane_help_ms=1e-3))
         core.add_request(core.make_request("late", prompts["late"], GREEDY))
         while "late" not in tokens:
             step_into(core, tokens)
