@@ -801,6 +801,7 @@ def test_beside_streams_with_slack_the_engine_thread_reads_the_second_half_a_lay
         by_engine = [(index, threads) for part, index, thread, threads in layers if thread == "MainThread"]
         assert by_engine and {threads for _, threads in by_engine} == {1}  # its own thread, the lane has the other
         assert core.counters.lane_layers_helped == len(by_engine)
+        assert worker_stats(core, "decode", "here").num_lane_layers_helped == len(by_engine)  # in Stats
         assert {(part, thread) for part, _, thread, _ in layers} <= {
             ("first", "prefill-lane"), ("second", "prefill-lane"), ("second", "MainThread")}
         for position, (part, index, _, _) in enumerate(layers):
