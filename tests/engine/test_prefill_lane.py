@@ -9,7 +9,6 @@ import functools
 import sys
 import threading
 import time
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -810,14 +809,6 @@ def test_beside_streams_with_slack_the_engine_thread_reads_the_second_half_a_lay
         assert [i for p, i, _, _ in layers if p == "first"] == [i for p, i, _, _ in layers if p == "second"] == list(
             range(30))
 
-        # a step and a layer take longer than the bound: the lane reads both halves alone
-        helped, layers[:] = core.counters.lane_layers_helped, []
-        core.config = replace(core.config, scheduler=replace(core.config.scheduler, prefill_lane_help_ms=1e-3))
-        core.add_request(core.make_request("late", prompts["late"], GREEDY))
-        while "late" not in tokens:
-            step_into(core, tokens)
-        assert core.counters.lane_layers_helped == helped
-        assert {thread for _, _, thread, _ in layers} == {"prefill-lane"} and len(layers) == 60
         for request_id in ("s0", "s1"):
             core.abort_request(request_id)
         for request_id, new in run(core, []).items():
@@ -848,6 +839,28 @@ def test_beside_streams_with_slack_the_engine_thread_reads_the_second_half_a_lay
         for event in holds.values():
             event.set()
         core.close()
+
+    # a bound no step and layer fit in: the lane reads both halves alone
+    tight = build(smollm_dir, LANE_MIN, prefill_lane_help_ms=1e-3)
+    layers[:] = []
+    try:
+        record_layers(tight, layers)
+        late = start_streams(tight, params=streams)
+        for _ in range(3):
+            step_into(tight, late)
+        tight.add_request(tight.make_request("late", prompts["late"], GREEDY))
+        while "late" not in late:
+            step_into(tight, late)
+        for request_id in ("s0", "s1"):
+            tight.abort_request(request_id)
+        for request_id, new in run(tight, []).items():
+            late.setdefault(request_id, []).extend(new)
+        assert tight.counters.lane_layers_helped == 0
+        assert {thread for _, _, thread, _ in layers} == {"prefill-lane"} and len(layers) == 60
+        drain(tight, tight.step)
+    finally:
+        tight.close()
+    tokens["late"] = late["late"]
     plain = build(smollm_dir, None)
     try:
         reference = run(plain, list(prompts.items()))
