@@ -313,10 +313,11 @@ class PrefillLane:
             else:
                 with self._lock:
                     self._current_tokens, self._current_started = len(seq.token_ids), started
+                num_layers = len(self.runner.kv_cache.layers)
                 try:
                     job = _Job([_Part(self.runner.execute_layers(SchedulerOutput(
-                        seqs=[part], num_batched_tokens=len(part.token_ids), preempted_ids=[])), len(part.token_ids))
-                        for part in split_prompt(seq)])
+                        seqs=[part], num_batched_tokens=len(part.token_ids), preempted_ids=[])), len(part.token_ids),
+                        num_layers) for part in split_prompt(seq)])
                 except Exception as exc:  # the engine thread fails this request alone
                     job = _Job([], error=exc)
                 with self._lock:
@@ -325,7 +326,6 @@ class PrefillLane:
                     self._compute(job, part)
                 if not job.finished:  # stop() came first
                     job.error = RuntimeError("the prefill lane stopped before it computed this prompt")
-                num_layers = len(self.runner.kv_cache.layers)
                 lane_ms = (job.lane_s * 1000.0 * num_layers / job.lane_token_layers
                            if job.lane_token_layers else None)
                 result = LaneResult(seq, job.output, job.error, time.perf_counter() - clock, started, lane_ms)
@@ -355,8 +355,9 @@ class PrefillLane:
 
     def _lane_part(self, job: _Job) -> _Part | None:
         """Under ``_lock``: the part the lane thread may compute a layer of now, if any."""
-        if job.beside:
-            return job.parts[0] if job.parts[0].by is None else None
+        first = job.parts[0]
+        if len(job.parts) == 2 and not first.finished:  # the first half is the lane thread's to end
+            return first if first.by is None else None
         holding = self.engine_holds and time.monotonic() - self._held_at < ENGINE_HOLD_S
         part = job.parts[-1]
         return None if holding or part.by is not None else part
@@ -409,6 +410,7 @@ class _Part:
 
     layers: Generator[int, None, RunnerOutput]
     tokens: int  # its prompt tokens
+    num_layers: int  # the model's: after as many, one more ``next()`` returns its output
     done: int = 0  # layers computed
     by: str | None = None  # "lane" or "engine" while a thread computes its next layer
     finished: bool = False  # its forward returned
@@ -430,9 +432,10 @@ class _Job:
 
     @property
     def beside(self) -> bool:
-        """Read in halves, the first not done: the lane thread computes it, the engine thread
-        may compute the second's layers beside it."""
-        return len(self.parts) == 2 and not self.parts[0].finished
+        """Read in halves, the first with layers left: the lane thread computes them, the engine
+        thread may compute the second's layers beside it (once the first half's layers are
+        done, what is left of it computes no layer: the second may take every thread)."""
+        return len(self.parts) == 2 and self.parts[0].done < self.parts[0].num_layers
 
     @property
     def output(self) -> RunnerOutput | None:
