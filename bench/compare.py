@@ -759,9 +759,9 @@ def colocated_variants(budgets: list[int], step_ms: list[str], lane_tokens: list
     by tokens only), one per step target (``--max-step-ms``, a number or ``off``), one per
     prefill-lane threshold (``--prefill-lane-min-tokens``, a number or ``off``), one per bound
     on a prompt's wait for the busy lane (``--prefill-lane-max-wait-ms``, a number or ``off``),
-    one per lane policy (``--prefill-lane-policy``), one per bound on the streams' pace under which
-    the engine thread helps the lane (``--prefill-lane-help-ms``, a number or ``off``); tandem's
-    defaults when none is given."""
+    one per lane policy (``--prefill-lane-policy``), one per bound on a step and a layer within
+    which the engine thread helps the lane (``--prefill-lane-help-ms``, a number or ``off``);
+    tandem's defaults when none is given."""
     variants = [(f"-{budget}", ["--max-num-batched-tokens", str(budget), "--max-step-ms", "off"],
                  f"chunked prefill {budget} tokens per step") for budget in budgets]
     for target in step_ms:
@@ -795,7 +795,7 @@ def colocated_variants(budgets: list[int], step_ms: list[str], lane_tokens: list
             raise ValueError(f"--colocated-lane-help-ms takes numbers > 0 or off, got {help_ms!r}")
         variants.append((f"-help{help_ms}", ["--prefill-lane-help-ms", help_ms],
                          "the engine thread helps the prefill lane only when idle" if help_ms == "off"
-                         else f"the engine thread helps the prefill lane while the streams' pace is under "
+                         else f"the engine thread helps the prefill lane while a step and a layer take at most "
                               f"{help_ms} ms"))
     return variants or [("", [], "its defaults")]
 
