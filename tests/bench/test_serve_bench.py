@@ -426,8 +426,10 @@ def test_the_step_profile_of_a_run_is_the_difference_of_its_counters():
 def test_the_lane_profile_of_a_run_is_the_difference_of_its_counters():
     from bench.compare import lane_profile
 
-    before = {"num_lane_prompts": 4, "num_lane_prompt_tokens": 1000, "lane_busy_ms": 2000, "num_lane_layers_helped": 7}
-    after = {"num_lane_prompts": 10, "num_lane_prompt_tokens": 2500, "lane_busy_ms": 5000, "num_lane_layers_helped": 50}
+    before = {"num_lane_prompts": 4, "num_lane_prompt_tokens": 1000, "lane_busy_ms": 2000,
+              "num_lane_layers_helped": 7}
+    after = {"num_lane_prompts": 10, "num_lane_prompt_tokens": 2500, "lane_busy_ms": 5000,
+             "num_lane_layers_helped": 50}
     profile = lane_profile(before, after, duration_s=6.0)
     assert profile == pytest.approx({"prompts": 6, "tokens": 1500, "ms_per_prompt": 500.0, "busy_share": 0.5,
                                      "layers_helped": 43, "ms_per_token": 0.0, "slowdown": 0.0, "stream_ms_per_token_lane": 0.0,
@@ -552,6 +554,12 @@ def test_contenders_are_chosen_by_name_and_vllm_runs_as_a_module(tmp_path):
     for bad in ("sometimes", "first:60", "pace:0", "pace:soon"):
         with pytest.raises(ValueError, match="--colocated-lane-policy"):
             default_contenders("m", "/weights", "float32", [], ["colocated"], colocated_lane_policies=[bad])
+    helps = default_contenders("m", "/weights", "float32", [], ["colocated"], colocated_lane_help_ms=["80", "off"])
+    assert [c.name for c in helps] == ["colocated-help80", "colocated-helpoff"]
+    assert [c.command[-2:] for c in helps] == [["--prefill-lane-help-ms", v] for v in ("80", "off")]
+    for bad in ("0", "-1", "soon"):
+        with pytest.raises(ValueError, match="--colocated-lane-help-ms"):
+            default_contenders("m", "/weights", "float32", [], ["colocated"], colocated_lane_help_ms=[bad])
     with pytest.raises(ValueError, match="--vllm-python"):
         default_contenders("m", "/weights", "float32", [], ["vllm"])
     with pytest.raises(ValueError, match="unknown contenders"):

@@ -95,6 +95,13 @@ def test_the_prefill_lane_policy_flag_reaches_the_engine():
     for bad in ("0", "-5", "nan", "fast"):
         with pytest.raises(SystemExit):
             config_of(["--prefill-lane-pace-ms", bad])
+    cluster.config = config_of(["--prefill-lane-help-ms", "65"])
+    assert cluster.engine_args().prefill_lane_help_ms == 65.0
+    assert config_of([]).prefill_lane_help_ms == 80.0
+    assert config_of(["--prefill-lane-help-ms", "off"]).prefill_lane_help_ms is None
+    for bad in ("0", "-5", "nan", "fast"):
+        with pytest.raises(SystemExit):
+            config_of(["--prefill-lane-help-ms", bad])
 
 
 def test_enforce_eager_reaches_the_engine():
