@@ -708,8 +708,9 @@ def _line(name: str, rate: float, s: dict) -> str:
         where += (f"\n{' ' * 16}engine steps: {steps['decode_steps']:.0f} decode-only, "
                   f"{steps['decode_ms']:.1f} ms each at a mean batch of {steps['decode_batch']:.1f}; "
                   f"{steps['prompt_steps']:.0f} with prompt tokens, {steps['prompt_ms']:.1f} ms each")
-    return (f"{name:>14} @ {rate:g} req/s: goodput {s['goodput']:.3f} req/s, p99 ITL {_ms(s['itl_ms']['p99'])}, "
-            f"p90 TTFT {_ms(s['ttft_ms']['p90'])}, {s['output_token_throughput']:.1f} tok/s, "
+    return (f"{name:>14} @ {rate:g} req/s: SLOs met {_met(s)}, goodput {s['goodput']:.3f} req/s, "
+            f"p90 TTFT {_ms(s['ttft_ms']['p90'])}, p90 TPOT {_ms(s['tpot_ms']['p90'])}, "
+            f"p99 ITL {_ms(s['itl_ms']['p99'])}, {s['output_token_throughput']:.1f} tok/s, "
             f"{s['completed']}/{s['num_requests']} ok{where}")
 
 

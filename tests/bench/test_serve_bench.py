@@ -259,9 +259,9 @@ def test_compare_rounds_interleave_the_contenders_on_requests_of_their_own(scrip
     result = compare_rounds([a, b], rounds, [4.0, 8.0], seed=0, slo_tpot_ms=None, slo_ttft_ms=None,
                             calibration=[BenchRequest("hello", NUM_TOKENS, -1)] * 2, say=say,
                             warm_up=[BenchRequest("warm", 2, -1)], alone=alone)
-    measured = [line.split(" @ ")[0].strip() for line in said if " req/s: goodput" in line]
+    measured = [line.split(" @ ")[0].strip() for line in said if " req/s: SLOs met" in line]
     assert measured == ["a #1", "b #1", "a #1", "b #1", "b #2", "a #2", "b #2", "a #2"]
-    up_when_measured = [up for up, line in zip(both_up, said) if " req/s: goodput" in line]
+    up_when_measured = [up for up, line in zip(both_up, said) if " req/s: SLOs met" in line]
     if alone:
         assert up_when_measured == [[line.split()[0]] for line in measured]
         assert starts == [line.split()[0] for line in measured]  # a start per turn
@@ -616,12 +616,18 @@ def test_compare_capacity_against_scripted_servers(scripted_server):
         return requests
 
     search = CapacitySearch(workload, CapacityBounds(start=4.0, min_rate=2.0, max_rate=8.0))
+    said = []
     easy = compare([served], [], [], seed=0, slo_tpot_ms=1000.0, slo_ttft_ms=None, calibration=requests,
-                   say=lambda line: None, capacity=search)
+                   say=said.append, capacity=search)
     assert easy.capacities["a"].rate == 8.0 and easy.capacities["a"].ceiling is None and asked == [4.0, 8.0]
     assert sorted(easy.runs["a"]) == [4.0, 8.0] and all(s["completed"] == 2 for s in easy.runs["a"].values())
+    # each rate's line says how many requests met the SLOs as it ends (a search runs for an hour)
+    assert [line.split(":")[0].split("@")[1].strip() for line in said if "SLOs met 2/2" in line] == ["4 req/s",
+                                                                                                  "8 req/s"]
+    said.clear()
     hard = compare([served], [], [], seed=0, slo_tpot_ms=GAP_S * 1000 / 4, slo_ttft_ms=None, calibration=requests,
-                   say=lambda line: None, capacity=search)
+                   say=said.append, capacity=search)
+    assert sum("SLOs met 0/2" in line for line in said) == 2 and not any("SLOs met 2/2" in line for line in said)
     assert hard.capacities["a"].rate is None and hard.capacities["a"].ceiling == 2.0
     assert "| a | - | 2 | 4 (0/2), 2 (0/2) | - | - | - | - |" in capacity_table(hard)
     assert "| a | 8 | - | 4 (2/2), 8 (2/2) | 2/2 |" in capacity_table(easy)
