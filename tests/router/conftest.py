@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import re
 import subprocess
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -14,6 +15,7 @@ import pytest
 
 from bench.launch import LaunchedServe
 from tests.otlp import HttpOTLPReceiver
+from tests.workers import wait_until
 
 API_KEY = "test-api-key"
 # A request seeded with this fails inside the engine of the servers below (tests/faults): the
@@ -69,6 +71,26 @@ class LiveServer:
 
     def stop(self, timeout_s: float = 60) -> None:
         self.launched.stop(timeout_s)
+
+
+def assert_cut_short(server: LiveServer, decoded_before: float, how: str) -> None:
+    """A 900-token request that the client left (``how``) ended on both workers soon after, far
+    from its end, with every KV block free.
+
+    /metrics holds each worker's last Stats (polled every 0.5 s), so a request that ends within
+    one poll leaves the decode worker's snapshot from before it, idle and free: the wait takes a
+    snapshot only once it counts the request's tokens. All workers are polled together, so the
+    prefill worker's snapshots after it are from after its prompt too."""
+    def idle_and_free(role: str) -> bool:
+        return (server.metric("num_free_kv_blocks", role) == server.metric("num_kv_blocks", role)
+                and server.metric("num_running", role) == 0)
+
+    wait_until(lambda: server.metric("num_generation_tokens", "decode") > decoded_before and idle_and_free("decode"),
+               what="the decode worker idle and free after the request's tokens")
+    wait_until(lambda: idle_and_free("prefill"), what="the prefill worker idle and free")
+    time.sleep(1)  # let a request that was not cut short run on, so the check below can fail
+    decoded = server.metric("num_generation_tokens", "decode") - decoded_before
+    assert 0 < decoded < 300, f"the request ran on after {how} ({decoded} tokens)"
 
 
 def start_server(model_dir, mode: str, *extra: str, api_key: str | None = None, ready_timeout_s: float = 300,
