@@ -116,27 +116,6 @@ def wrap_lane(core, before=None):
     return seen
 
 
-def time_lane_layers(core) -> list[float]:
-    """The seconds of each layer (each ``next()`` that yields) of the lane's prompts computed on
-    the lane's thread, timed around the runner's generator (inside the engine's own timing)."""
-    runner, timed = core.lane.runner, []
-    execute_layers = runner.execute_layers
-
-    def timing(inner):
-        while True:
-            started = time.perf_counter()
-            try:
-                value = next(inner)
-            except StopIteration as stop:
-                return stop.value
-            if threading.current_thread() is core.lane._thread:
-                timed.append(time.perf_counter() - started)
-            yield value
-
-    runner.execute_layers = lambda step: timing(execute_layers(step))  # called now, as the lane calls it
-    return timed
-
-
 def held_lane(core):
     """The lane made to wait before each prompt until ``release`` is set; returns ``release``,
     what the lane computed (``wrap_lane``), the tokens each request got, and a step that
@@ -515,7 +494,8 @@ def test_a_prompt_waits_for_the_busy_lane_only_while_its_measured_backlog_fits_t
 def test_the_lane_measures_its_ms_per_token_on_its_own_threads_alone(tiny_llama_dir):
     core = build(tiny_llama_dir, LANE_MIN, max_model_len=512, prefill_lane_policy="first")
     release, _, tokens, step = held_lane(core)
-    layer_s = time_lane_layers(core)
+    layers, seconds = [], []
+    record_layers(core, layers, seconds=seconds)
     release.set()
     try:
         start_streams(core, params=SamplingParams(temperature=0.0, max_tokens=300, ignore_eos=True))
@@ -526,11 +506,11 @@ def test_the_lane_measures_its_ms_per_token_on_its_own_threads_alone(tiny_llama_
             step()
         measured = core.lane.ms_per_token  # its layers' time, within the prompt's whole time on the lane
         # every layer on the lane's thread (3 of the tiny model's, then the output), none helped
-        assert core.counters.lane_layers_helped == 0 and len(layer_s) == 3
+        assert core.counters.lane_layers_helped == 0 and [thread for _, _, thread, _ in layers] == ["prefill-lane"] * 3
         # the engine times each layer around the call this test times inside it, and the layers
         # within the prompt's whole time on the lane: bounds that hold however loaded the machine
         # (the time between layers, a wait or the scheduler's, counts in the second alone)
-        assert sum(layer_s) * 1000.0 / 150 <= measured <= core.counters.lane_busy_s * 1000.0 / 150
+        assert sum(seconds) * 1000.0 / 150 <= measured <= core.counters.lane_busy_s * 1000.0 / 150
 
         release.clear()
         core.add_request(core.make_request("wide", long_prompt(71, 150), GREEDY))
@@ -712,11 +692,12 @@ def test_the_engine_counts_its_steps_and_their_time_apart_for_decode_only_and_pr
 
 
 def record_layers(core, layers: list[tuple[str, int, str, int]], holds: dict | None = None,
-                  reached: threading.Event | None = None):
+                  reached: threading.Event | None = None, seconds: list[float] | None = None):
     """Record each layer the lane's prompts compute: (which part: whole, first or second half,
     layer, thread, its torch threads), in the order they end. ``holds``: {(part, layer): event}
     (read at each layer): the thread that computed that layer sets ``reached`` and waits for
-    the event before it goes on (still inside its turn)."""
+    the event before it goes on (still inside its turn). ``seconds``: each layer's own time,
+    timed inside the engine's timing of it."""
     execute_layers = core.lane.runner.execute_layers
 
     def recorded(step):
@@ -726,10 +707,13 @@ def record_layers(core, layers: list[tuple[str, int, str, int]], holds: dict | N
 
         def layer_by_layer():
             while True:
+                started = time.perf_counter()
                 try:
                     index = next(inner)
                 except StopIteration as stop:
                     return stop.value
+                if seconds is not None:
+                    seconds.append(time.perf_counter() - started)
                 layers.append((part, index, threading.current_thread().name, torch.get_num_threads()))
                 if holds and (part, index) in holds:
                     if reached is not None:
