@@ -15,8 +15,9 @@ Stats and what the router itself has in flight there) and returns the chosen one
       (the next turn of a chat goes where its history is), the load terms (each in [0, 1))
       break ties and push work away from a worker whose queue and KV fill up;
     prefill worker: the lowest predicted time to first token
-      = (its queued prompt tokens + prompt_tokens - hit) / its prefill rate (tokens/s, an
-      average of what its Stats show it computing, PREFILL_RATE_DEFAULT until measured).
+      = (its queued prompt tokens + prompt_tokens - hit) / its prefill rate (prompt tokens per
+      second of its engine's compute time, a moving average over its Stats; until measured, its
+      measured peers' mean, or PREFILL_RATE_DEFAULT while none is: prefill_rate()).
     The KV transfer time is the same for every prefill worker once the decode worker is
     chosen, so it does not change the choice. Whether to use a prefill worker at all is the
     dispatcher's call (--local-prefill-max-tokens against the suffix the decode worker lacks).
@@ -94,7 +95,18 @@ class LoadPolicy(RoutingPolicy):
         return (sequences / max(1.0, free_percent), worker.in_flight, worker.address)
 
 
-PREFILL_RATE_DEFAULT = 2000.0  # prompt tokens/s assumed for a prefill worker not yet measured
+PREFILL_RATE_DEFAULT = 2000.0  # prompt tokens/s assumed while no worker of the pool is measured
+
+
+def prefill_rate(worker: WorkerView, peers: list[WorkerView]) -> float:
+    """The prompt tokens/s to expect of ``worker``: its measured rate; one not yet measured is
+    taken to be as fast as its measured ``peers`` on average (they serve the same model), and
+    PREFILL_RATE_DEFAULT while none is. A constant for the unmeasured would make a new worker look
+    faster or slower than its peers depending on the hardware, and win or lose prompts for it."""
+    if worker.prefill_rate:
+        return worker.prefill_rate
+    measured = [w.prefill_rate for w in peers if w.prefill_rate]
+    return sum(measured) / len(measured) if measured else PREFILL_RATE_DEFAULT
 
 
 class PrefixPolicy(RoutingPolicy):
@@ -114,7 +126,7 @@ class PrefixPolicy(RoutingPolicy):
                 return (2 * uncached + sequences / (sequences + 8) + kv_used, worker.address)
         else:
             def score(worker: WorkerView) -> tuple:
-                rate = worker.prefill_rate or PREFILL_RATE_DEFAULT
+                rate = prefill_rate(worker, healthy)
                 queued = worker.prompt_tokens_in_flight + (worker.stats.num_waiting if worker.stats else 0)
                 return ((queued + prompt - route.hits.get(worker.address, 0)) / rate, worker.address)
         return min(healthy, key=score)

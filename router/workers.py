@@ -40,7 +40,7 @@ class WorkerPool:
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._task: asyncio.Task | None = None
         self.failures_to_drop = 3  # consecutive failed Stats before a worker leaves routing
-        self._last_seen: dict[str, tuple[float, int]] = {}  # address -> (time, prompt tokens computed)
+        self._last_seen: dict[str, tuple[float, int, float]] = {}  # address -> (time, prompt tokens computed, busy ms)
         # decode workers' tokens in one message per engine step (router/outputs.py); None: one
         # message per token per request, on each Generate call
         self.outputs = OutputStreams(self._open_outputs) if step_outputs else None
@@ -138,12 +138,20 @@ class WorkerPool:
                     worker.healthy = False
 
     def _measure_rate(self, worker: WorkerView, stats: pb.WorkerStats, now: float) -> None:
-        """A prefill worker's prompt tokens/s, from polls in which it computed some."""
+        """A worker's prompt tokens per second of busy time: the prompt tokens it computed since
+        the last poll over the time its engine spent stepping (decode-only steps included, which
+        a colocated worker interleaves with its prompts under load) and in its prefill lane. Over
+        the poll's wall time instead, a worker idle for most of it would look ten times slower
+        than it is, and prefix routing would send a prompt away from its cached prefix to a worker
+        that merely had not been measured yet. A worker that reports no step times (an older one)
+        is measured over the wall time."""
+        busy_ms = stats.prompt_steps_ms + stats.decode_steps_ms + stats.lane_busy_ms
         last = self._last_seen.get(worker.address)
-        self._last_seen[worker.address] = (now, stats.num_prompt_tokens_computed)
+        self._last_seen[worker.address] = (now, stats.num_prompt_tokens_computed, busy_ms)
         if last is None or stats.num_prompt_tokens_computed <= last[1] or now <= last[0]:
             return
-        sample = (stats.num_prompt_tokens_computed - last[1]) / (now - last[0])
+        seconds = (busy_ms - last[2]) / 1000 if busy_ms > last[2] else now - last[0]
+        sample = (stats.num_prompt_tokens_computed - last[1]) / seconds
         worker.prefill_rate = sample if not worker.prefill_rate else 0.7 * worker.prefill_rate + 0.3 * sample
 
     @property

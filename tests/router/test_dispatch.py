@@ -16,11 +16,13 @@ from proto.convert import params_to_proto
 from router.dispatch import Dispatcher, Sequence
 from router.errors import APIError
 from router.policy import (
+    PREFILL_RATE_DEFAULT,
     LoadPolicy,
     RoundRobinPolicy,
     RouteRequest,
     WorkerView,
     make_policy,
+    prefill_rate,
 )
 from router.workers import WorkerPool
 from tests.workers import SECRET, wait_all_free
@@ -100,6 +102,37 @@ def test_prefix_policy_follows_its_formula():
                   WorkerView("prefill", "p:2", True, pb.WorkerStats(), prompt_tokens_in_flight=0, prefill_rate=1000))
     assert policy.pick([fast, slow], RouteRequest(1000, {"p:1": 0, "p:2": 900})) is slow  # 100/1000 < 1000/4000
     assert policy.pick([fast, slow], RouteRequest(1000, {"p:1": 0, "p:2": 0})) is fast
+
+
+def test_an_unmeasured_prefill_worker_is_expected_to_be_as_fast_as_its_measured_peers():
+    policy = make_policy("prefix")
+    measured = WorkerView("prefill", "p:1", True, pb.WorkerStats(), prefill_rate=300)
+    new = WorkerView("prefill", "p:2", True, pb.WorkerStats())
+    assert prefill_rate(new, [measured, new]) == 300 and prefill_rate(new, [new]) == PREFILL_RATE_DEFAULT
+    # the cached prefix decides between them: 76 - 64 tokens at 300/s beat 76 at 300/s (with
+    # PREFILL_RATE_DEFAULT for the new worker, 76/2000 s would win and miss the cache)
+    assert policy.pick([measured, new], RouteRequest(76, {"p:1": 64, "p:2": 0})) is measured
+
+
+def test_the_prefill_rate_is_measured_over_busy_time_not_the_poll_s_wall_time():
+    pool = WorkerPool([], ["p:1", "p:2"], SECRET, make_policy("prefix"))
+    steps, old = pool.prefill
+
+    def poll(worker, now, tokens, prompt_ms=0.0, decode_ms=0.0, lane_ms=0):
+        stats = pb.WorkerStats(num_prompt_tokens_computed=tokens, prompt_steps_ms=prompt_ms,
+                               decode_steps_ms=decode_ms, lane_busy_ms=lane_ms)
+        pool._measure_rate(worker, stats, now)
+
+    poll(steps, 10.0, 0)
+    poll(steps, 10.5, 100, prompt_ms=40.0, decode_ms=5.0, lane_ms=5)  # 100 tokens in 50 ms of a 500 ms poll
+    assert steps.prefill_rate == pytest.approx(2000)
+    poll(steps, 11.0, 100, prompt_ms=40.0, decode_ms=30.0)  # decoding only: no sample
+    assert steps.prefill_rate == pytest.approx(2000)
+    poll(steps, 11.5, 200, prompt_ms=65.0, decode_ms=30.0)  # 100 more in 25 ms: 4000/s, averaged in
+    assert steps.prefill_rate == pytest.approx(0.7 * 2000 + 0.3 * 4000)
+    poll(old, 10.0, 0)
+    poll(old, 10.5, 100)  # a worker that reports no step times: over the wall time
+    assert old.prefill_rate == pytest.approx(200)
 
 
 def test_short_prompts_skip_the_prefill_worker(decode_worker, llm):
