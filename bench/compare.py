@@ -888,7 +888,9 @@ def add_compare_args(compare, default_model: str) -> None:
     compare.add_argument("--slo-ttft-ms", type=float, default=None)
     compare.add_argument("--colocated-budgets", default="",
                          help="comma-separated token caps: one colocated contender each, chunked by tokens only "
-                              "(default: one colocated contender with tandem's defaults)")
+                              "(default: one colocated contender with tandem's defaults). This and the other "
+                              "--colocated-* lists replace that default contender; to keep it beside them, name "
+                              "a default value too (e.g. --colocated-lane-policy pace)")
     compare.add_argument("--colocated-step-ms", default="",
                          help="comma-separated --max-step-ms values (or off): one colocated contender each")
     compare.add_argument("--colocated-lane-tokens", default="",
