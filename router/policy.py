@@ -17,7 +17,7 @@ Stats and what the router itself has in flight there) and returns the chosen one
     prefill worker: the lowest predicted time to first token
       = (its queued prompt tokens + prompt_tokens - hit) / its prefill rate (prompt tokens per
       second of its engine's compute time, a moving average over its Stats; until measured, its
-      measured peers' mean, or PREFILL_RATE_DEFAULT while none is: prefill_rate()).
+      measured peers' mean, or PREFILL_RATE_DEFAULT while none is: unmeasured_prefill_rate()).
     The KV transfer time is the same for every prefill worker once the decode worker is
     chosen, so it does not change the choice. Whether to use a prefill worker at all is the
     dispatcher's call (--local-prefill-max-tokens against the suffix the decode worker lacks).
@@ -98,13 +98,11 @@ class LoadPolicy(RoutingPolicy):
 PREFILL_RATE_DEFAULT = 2000.0  # prompt tokens/s assumed while no worker of the pool is measured
 
 
-def prefill_rate(worker: WorkerView, peers: list[WorkerView]) -> float:
-    """The prompt tokens/s to expect of ``worker``: its measured rate; one not yet measured is
-    taken to be as fast as its measured ``peers`` on average (they serve the same model), and
-    PREFILL_RATE_DEFAULT while none is. A constant for the unmeasured would make a new worker look
-    faster or slower than its peers depending on the hardware, and win or lose prompts for it."""
-    if worker.prefill_rate:
-        return worker.prefill_rate
+def unmeasured_prefill_rate(peers: list[WorkerView]) -> float:
+    """The prompt tokens/s to expect of a worker not yet measured: its measured ``peers``' mean
+    (they serve the same model), PREFILL_RATE_DEFAULT while none is. A constant would make a new
+    worker look faster or slower than its peers depending on the hardware, and win or lose
+    prompts for it."""
     measured = [w.prefill_rate for w in peers if w.prefill_rate]
     return sum(measured) / len(measured) if measured else PREFILL_RATE_DEFAULT
 
@@ -125,8 +123,10 @@ class PrefixPolicy(RoutingPolicy):
                 uncached = 1 - min(route.hits.get(worker.address, 0), prompt) / prompt
                 return (2 * uncached + sequences / (sequences + 8) + kv_used, worker.address)
         else:
+            unmeasured = unmeasured_prefill_rate(healthy)
+
             def score(worker: WorkerView) -> tuple:
-                rate = prefill_rate(worker, healthy)
+                rate = worker.prefill_rate or unmeasured
                 queued = worker.prompt_tokens_in_flight + (worker.stats.num_waiting if worker.stats else 0)
                 return ((queued + prompt - route.hits.get(worker.address, 0)) / rate, worker.address)
         return min(healthy, key=score)

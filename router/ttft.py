@@ -10,8 +10,8 @@
 - prefill: on the worker that would prefill it soonest (the prefill pool in disaggregated
   mode, else the decode workers), the prompt tokens this router has queued there plus the
   request's uncached tokens, divided by that worker's measured prefill rate
-  (router/workers.py: prompt tokens per second of its busy time; router/policy.py prefill_rate
-  until measured);
+  (router/workers.py: prompt tokens per second of its busy time; router/policy.py
+  unmeasured_prefill_rate until measured);
 - transfer: disaggregated mode only, the KV transfer's unhidden tail as recent requests saw
   it (a moving average of their ``kv_transfer`` stage).
 
@@ -25,7 +25,7 @@ import time
 from collections import deque
 
 from proto.rpc import Role
-from router.policy import PREFILL_RATE_DEFAULT, prefill_rate
+from router.policy import unmeasured_prefill_rate
 from router.workers import WorkerPool
 
 MIN_FINISHED = 4  # finished sequences in the window before the queue wait is estimated
@@ -72,6 +72,7 @@ class TTFTPredictor:
         remote = bool(prefill_workers)
         workers = prefill_workers or [w for w in self.pool.routable(Role.DECODE) if w.healthy]
         uncached = max(0, num_prompt_tokens - num_cached_tokens)
-        prefill = min(((w.prompt_tokens_in_flight + uncached) / prefill_rate(w, workers) for w in workers),
-                      default=uncached / PREFILL_RATE_DEFAULT)
+        unmeasured = unmeasured_prefill_rate(workers)  # PREFILL_RATE_DEFAULT while none is measured
+        prefill = min(((w.prompt_tokens_in_flight + uncached) / (w.prefill_rate or unmeasured) for w in workers),
+                      default=uncached / unmeasured)
         return wait + prefill + (self.transfer_s if remote else 0.0)

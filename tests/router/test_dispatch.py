@@ -22,7 +22,7 @@ from router.policy import (
     RouteRequest,
     WorkerView,
     make_policy,
-    prefill_rate,
+    unmeasured_prefill_rate,
 )
 from router.workers import WorkerPool
 from tests.workers import SECRET, wait_all_free
@@ -108,7 +108,7 @@ def test_an_unmeasured_prefill_worker_is_expected_to_be_as_fast_as_its_measured_
     policy = make_policy("prefix")
     measured = WorkerView("prefill", "p:1", True, pb.WorkerStats(), prefill_rate=300)
     new = WorkerView("prefill", "p:2", True, pb.WorkerStats())
-    assert prefill_rate(new, [measured, new]) == 300 and prefill_rate(new, [new]) == PREFILL_RATE_DEFAULT
+    assert unmeasured_prefill_rate([measured, new]) == 300 and unmeasured_prefill_rate([new]) == PREFILL_RATE_DEFAULT
     # the cached prefix decides between them: 76 - 64 tokens at 300/s beat 76 at 300/s (with
     # PREFILL_RATE_DEFAULT for the new worker, 76/2000 s would win and miss the cache)
     assert policy.pick([measured, new], RouteRequest(76, {"p:1": 64, "p:2": 0})) is measured
