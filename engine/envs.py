@@ -21,3 +21,9 @@ def kernel_build_timeout_s() -> float:
     """How long a process waits for another to finish building or loading a native kernel
     (``TANDEM_KERNEL_BUILD_TIMEOUT_S``, default 900) before it uses the torch ops instead."""
     return float(os.environ.get("TANDEM_KERNEL_BUILD_TIMEOUT_S", "900"))
+
+
+def exact_blocks_disabled() -> bool:
+    """``TANDEM_EXACT_BLOCKS=0`` keeps float32 weights that are exact 4/8-bit blocks as float32
+    (engine/kernels/block_linear.py), for comparisons."""
+    return os.environ.get("TANDEM_EXACT_BLOCKS") == "0"

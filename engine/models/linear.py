@@ -6,8 +6,12 @@ larger inputs go to oneDNN with a weight packed once at load (torch's default bf
 repacks the weight on every call). Both copies of the weight are kept, which costs one more
 copy of the weights in memory.
 
-float32 on CPU: up to ``SKINNY_MAX_ROWS`` rows (decode batches) go to ``skinny_linear_f32``
-(engine/kernels/cpu_ops.cpp), which reads each weight row once for all rows of x; BLAS treats
+float32 on CPU: a weight whose values are exact 4- or 8-bit blocks (a checkpoint dequantized
+from a GGUF, as the default model is) keeps those blocks too, and decode batches up to
+``BLOCK_MAX_ROWS`` rows multiply by them (engine/kernels/block_linear.py): the same weight in a
+fifth of the bytes. Otherwise, up to ``SKINNY_MAX_ROWS`` rows (decode batches) go to
+``skinny_linear_f32`` (engine/kernels/cpu_ops.cpp), which reads each weight row once for all
+rows of x; BLAS treats
 a few rows as as many matrix-vector products and streams the weight once per row. Timing both
 on SmolLM2-135M's matmuls put the crossover between 4 rows (the kernel ahead) and 8 (BLAS
 ahead). Each row's result does not depend on the other rows. README's small-batch float32
@@ -27,9 +31,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.kernels import cpu_gemv, cpu_ops
+from engine.kernels import block_linear, cpu_gemv, cpu_ops
 from engine.kernels.build import cpu_flags
 
+# float32 rows up to which a weight kept as exact blocks (engine/kernels/block_linear.py) is
+# multiplied by its blocks; above it the float32 kernels below. SmolLM2-135M's float32 decode
+# step at context 320 on 2 cores of the family-25 EPYC: 12 ms against 24-29 at 1 row, 32-36
+# against 42-47 at 8, even at 12, 63-70 against 56-57 at 16 (the blocks' kernel is bound by
+# its arithmetic there, where oneDNN's packed float32 kernel does more per cycle).
+BLOCK_MAX_ROWS = 8
 SKINNY_MAX_ROWS = 4  # float32 rows up to which skinny_linear_f32 beats BLAS (measured, above)
 # oneDNN packs a float32 weight for a batch size; 16 was the fastest of 1/16/64 from 5 to 300
 # rows on SmolLM2's shapes (1 was up to 1.4x slower on the output head, 64 no faster)
@@ -90,6 +100,7 @@ class Linear(nn.Module):
         self._packed: torch.Tensor | None = None  # oneDNN-packed copy of the weight
         self._gemv = None  # the native skinny-matmul module, when it serves this weight
         self._skinny = None  # cpu_ops, for float32 decode batches (skinny_linear_f32)
+        self._blocks: block_linear.Blocks | None = None  # the weight's exact 4/8-bit blocks, for decode batches
 
     def pack(self) -> None:
         """Prepare the weight for the fastest kernels of its dtype (bfloat16 and float32 on
@@ -97,6 +108,8 @@ class Linear(nn.Module):
         if self.weight.device.type == "cpu" and self.weight.dtype == torch.float32:
             if self.weight.is_contiguous():
                 self._skinny = cpu_ops.load()  # None where the native ops do not build (or are disabled)
+            if self._blocks is None:
+                self._blocks = block_linear.pack(self.weight)  # None unless the weight is exact blocks
             if self._packed is None and onednn_f32_faster():
                 self.pack_onednn_f32()
             return
@@ -114,7 +127,9 @@ class Linear(nn.Module):
 
     @property
     def weight_nbytes(self) -> int:
-        """Bytes a forward reads from the weight (packed or not)."""
+        """Bytes a decode-sized forward reads from the weight (its blocks, packed or not)."""
+        if self._blocks is not None:
+            return self._blocks.nbytes
         weight = self._packed if self._packed is not None else self.weight
         return self.in_features * self.out_features * weight.element_size()
 
@@ -129,6 +144,8 @@ class Linear(nn.Module):
         return self(x).float()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [n, in] -> [n, out]
+        if self._blocks is not None and x.shape[0] <= BLOCK_MAX_ROWS:
+            return self._blocks.linear(x.contiguous(), self.bias)
         if self._skinny is not None and x.shape[0] <= SKINNY_MAX_ROWS:
             return self._skinny.skinny_linear_f32(x.contiguous(), self.weight, self.bias)
         if self._native(x):
