@@ -20,7 +20,7 @@ from bench.launch import free_port
 from bench.serve_bench import LoadConfig, run_load, summarize
 from tests.workers import wait_until
 
-FIRST_S, GAP_S, NUM_TOKENS = 0.30, 0.20, 4  # the script: first token after 300 ms, then every 200 ms
+FIRST_S, GAP_S, NUM_TOKENS = 0.20, 0.12, 4  # the script: first token after 200 ms, then every 120 ms
 
 
 RECEIVED: list[dict] = []  # every request body the scripted server got
@@ -114,7 +114,7 @@ def test_metrics_equal_the_scripted_timings(scripted_server):
     results, duration = asyncio.run(run_load(LoadConfig(scripted_server, "m"), requests))
     summary = summarize(results, duration, slo_ttft_ms=1000, slo_tpot_ms=1000)
     assert (summary["completed"], summary["failed"]) == (1, 1) and "HTTP 500" in summary["errors"][0]
-    tolerance_ms = 80  # scheduling noise on a busy machine; the script's gaps are 200-300 ms
+    tolerance_ms = 80  # scheduling noise on a busy machine; the script's gaps are 120-200 ms
     assert summary["ttft_ms"]["mean"] == pytest.approx(FIRST_S * 1000, abs=tolerance_ms)
     assert summary["itl_ms"]["p50"] == pytest.approx(GAP_S * 1000, abs=tolerance_ms)
     assert summary["tpot_ms"]["mean"] == pytest.approx(sent_tpot_ms("hello"), abs=tolerance_ms / 2)
@@ -199,7 +199,7 @@ def test_sweep_writes_plots_and_per_rate_json(scripted_server, tmp_path):
 
 def test_compare_calibrates_the_slo_and_ranks_servers(scripted_server):
     """Two scripted contenders: the TPOT SLO is 3x the measured unloaded step (the script's
-    200 ms gap), and the table's ratios come from the goodputs measured."""
+    120 ms gap), and the table's ratios come from the goodputs measured."""
     from contextlib import nullcontext
 
     from bench.compare import Contender, compare, table
@@ -601,7 +601,7 @@ def test_the_capacity_table_counts_requests_where_a_rounded_share_would_mislead(
 
 
 def test_compare_capacity_against_scripted_servers(scripted_server):
-    """The search wired through compare: a TPOT SLO above the script's 200 ms gap passes at
+    """The search wired through compare: a TPOT SLO above the script's 120 ms gap passes at
     every rate up to the bound; one below it fails down to the lowest rate; the table says so."""
     from contextlib import nullcontext
 

@@ -67,7 +67,7 @@ def test_a_restarted_router_attaches_to_the_same_workers(smollm_dir, ray_head):
 
 
 def test_workers_no_router_calls_end_themselves(smollm_dir, ray_head):
-    server = serve(smollm_dir, ray_head, "--orphan-timeout", "15")
+    server = serve(smollm_dir, ray_head, "--orphan-timeout", "6")
     try:
         assert answers(server)
         assert len(ray_head.actor_pids()) == 2
@@ -75,7 +75,7 @@ def test_workers_no_router_calls_end_themselves(smollm_dir, ray_head):
         server.process.wait(30)
         killed = time.monotonic()
         wait_until(lambda: not ray_head.actor_pids(), timeout_s=90, what="orphaned workers to exit")
-        assert time.monotonic() - killed >= 10  # they waited for a router first
+        assert time.monotonic() - killed >= 4  # they waited for a router first
         wait_until(lambda: not ray_head.actor_pids("IndexActor"), timeout_s=90,
                    what="the private Redis to end once no worker or router used it")
         time.sleep(3)
