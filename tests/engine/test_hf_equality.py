@@ -49,6 +49,17 @@ def engine_under_test(request, llm, smollm_dir, monkeypatch):
     return plain
 
 
+_REFERENCES: dict[tuple[int, ...], tuple[list[int], list[torch.Tensor]]] = {}
+
+
+def reference(hf_model, prompt_ids: list[int]) -> tuple[list[int], list[torch.Tensor]]:
+    """transformers' greedy run of a prompt, computed once for all the engines compared with it."""
+    key = tuple(prompt_ids)
+    if key not in _REFERENCES:
+        _REFERENCES[key] = hf_greedy(hf_model, prompt_ids, NEW_TOKENS)
+    return _REFERENCES[key]
+
+
 def test_smollm2_batch_matches_transformers(engine_under_test, hf_smollm):
     llm = engine_under_test
     hf_model, _ = hf_smollm
@@ -59,7 +70,7 @@ def test_smollm2_batch_matches_transformers(engine_under_test, hf_smollm):
     outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], params)  # one batch
     stats = EqualityStats()
     for ids, output in zip(prompt_ids, outputs):
-        ref_tokens, ref_logits = hf_greedy(hf_model, ids, NEW_TOKENS)
+        ref_tokens, ref_logits = reference(hf_model, ids)
         ours = output.outputs[0].token_ids
         assert len(ours) == NEW_TOKENS
         assert_token_equal(ours, ref_tokens, ref_logits, stats, label=f"prompt of {len(ids)} tokens")
