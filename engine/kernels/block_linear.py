@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -32,16 +33,14 @@ class Blocks:
 
     kind: str  # "q4_1" or "q8_0"
     tensors: tuple[torch.Tensor, ...]  # qs, d (and m for q4_1)
-    module: object
+    kernel: Callable  # (x, *tensors, bias) -> x W^T (+ bias): the module's q4_1_linear or q8_0_linear
 
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors)
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if self.kind == "q4_1":
-            return self.module.q4_1_linear(x, *self.tensors, bias)
-        return self.module.q8_0_linear(x, *self.tensors, bias)
+        return self.kernel(x, *self.tensors, bias)
 
 
 def pack(weight: torch.Tensor, module=None) -> Blocks | None:
@@ -51,8 +50,9 @@ def pack(weight: torch.Tensor, module=None) -> Blocks | None:
     if module is None or weight.dtype != torch.float32 or weight.device.type != "cpu" or weight.dim() != 2:
         return None
     weight = weight.detach().contiguous()
-    for kind, packer in (("q4_1", module.pack_q4_1), ("q8_0", module.pack_q8_0)):
+    for kind, packer, kernel in (("q4_1", module.pack_q4_1, module.q4_1_linear),
+                                 ("q8_0", module.pack_q8_0, module.q8_0_linear)):
         tensors = packer(weight)
         if tensors:
-            return Blocks(kind, tuple(tensors), module)
+            return Blocks(kind, tuple(tensors), kernel)
     return None

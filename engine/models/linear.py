@@ -11,11 +11,11 @@ from a GGUF, as the default model is) keeps those blocks too, and decode batches
 ``BLOCK_MAX_ROWS`` rows multiply by them (engine/kernels/block_linear.py): the same weight in a
 fifth of the bytes. Otherwise, up to ``SKINNY_MAX_ROWS`` rows (decode batches) go to
 ``skinny_linear_f32`` (engine/kernels/cpu_ops.cpp), which reads each weight row once for all
-rows of x; BLAS treats
-a few rows as as many matrix-vector products and streams the weight once per row. Timing both
-on SmolLM2-135M's matmuls put the crossover between 4 rows (the kernel ahead) and 8 (BLAS
-ahead). Each row's result does not depend on the other rows. README's small-batch float32
-table (`tandem bench engine --dtypes float32 --batch-sizes 1,2,4`) shows the effect. Above
+rows of x; BLAS treats a few rows as as many matrix-vector products and streams the weight once
+per row. Timing both on SmolLM2-135M's matmuls put the crossover between 4 rows (the kernel
+ahead) and 8 (BLAS ahead). Each row's result does not depend on the other rows. README's
+small-batch float32 table (`tandem bench engine --dtypes float32 --batch-sizes 1,2,4`) shows
+the effect. Above
 that, where oneDNN with a weight packed once beats torch's default float32 matmul on this CPU
 (``onednn_f32_faster``, timed once per process), the weight is packed for oneDNN too: on an
 AMD EPYC with AVX2 only, torch's default (MKL) took 41 ms for SmolLM2's output head at 16 rows
