@@ -14,6 +14,7 @@ from gguf.quants import dequantize, quantize
 
 from engine.kernels import block_linear
 from engine.models.linear import BLOCK_MAX_ROWS, Linear
+from tests.engine.avx2 import avx2_build
 
 KINDS = {"q4_1": GGMLQuantizationType.Q4_1, "q8_0": GGMLQuantizationType.Q8_0}
 
@@ -34,15 +35,7 @@ def native():
 
 @pytest.fixture(scope="module")
 def avx2(native):
-    """The same source built for AVX2 only, where this CPU has AVX-512 (tests/engine/test_cpu_ops.py
-    says why)."""
-    from engine.kernels.build import build, cpu_flags
-
-    if "avx512f" not in cpu_flags():
-        return native
-    module = build("tandem_block_linear_avx2", block_linear._SOURCE, ["-O3", "-march=haswell", "-fopenmp"])
-    assert module is not None, "the AVX2 build of block_linear failed"
-    return module
+    return avx2_build("tandem_block_linear", block_linear._SOURCE, native)
 
 
 def unpacked(blocks: block_linear.Blocks, cols: int) -> torch.Tensor:

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.kernels import cpu_ops
+from tests.engine.avx2 import avx2_build
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 TOLERANCE = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=2e-2, atol=2e-2),
@@ -23,19 +24,7 @@ def ops():
 
 @pytest.fixture(scope="module")
 def avx2_ops(ops):
-    """The same source built for AVX2 only (-march=haswell; every x86 machine this project
-    runs on has it): CI machines differ, and an AVX-512 machine would otherwise never run the
-    code its vector extensions compile to on AVX2. On a CPU without AVX-512 the native build
-    is that code already, and a second compile would only cost time (~60-100 s on 2 cores).
-    It is kept in the kernel cache like the native build, so that it is compiled once per
-    source."""
-    from engine.kernels.build import build, cpu_flags
-
-    if "avx512f" not in cpu_flags():
-        return ops
-    module = build("tandem_cpu_ops_avx2", cpu_ops._SOURCE, ["-O3", "-march=haswell", "-fopenmp"])
-    assert module is not None, "the AVX2 build of cpu_ops failed"
-    return module
+    return avx2_build("tandem_cpu_ops", cpu_ops._SOURCE, ops)
 
 
 @pytest.mark.parametrize("build", ["ops", "avx2_ops"])

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -49,15 +51,10 @@ def engine_under_test(request, llm, smollm_dir, monkeypatch):
     return plain
 
 
-_REFERENCES: dict[tuple[int, ...], tuple[list[int], list[torch.Tensor]]] = {}
-
-
-def reference(hf_model, prompt_ids: list[int]) -> tuple[list[int], list[torch.Tensor]]:
+@functools.cache
+def reference(hf_model, prompt_ids: tuple[int, ...]) -> tuple[list[int], list[torch.Tensor]]:
     """transformers' greedy run of a prompt, computed once for all the engines compared with it."""
-    key = tuple(prompt_ids)
-    if key not in _REFERENCES:
-        _REFERENCES[key] = hf_greedy(hf_model, prompt_ids, NEW_TOKENS)
-    return _REFERENCES[key]
+    return hf_greedy(hf_model, list(prompt_ids), NEW_TOKENS)
 
 
 def test_smollm2_batch_matches_transformers(engine_under_test, hf_smollm):
@@ -70,7 +67,7 @@ def test_smollm2_batch_matches_transformers(engine_under_test, hf_smollm):
     outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], params)  # one batch
     stats = EqualityStats()
     for ids, output in zip(prompt_ids, outputs):
-        ref_tokens, ref_logits = reference(hf_model, ids)
+        ref_tokens, ref_logits = reference(hf_model, tuple(ids))
         ours = output.outputs[0].token_ids
         assert len(ours) == NEW_TOKENS
         assert_token_equal(ours, ref_tokens, ref_logits, stats, label=f"prompt of {len(ids)} tokens")
