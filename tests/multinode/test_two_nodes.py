@@ -27,6 +27,7 @@ import redis
 from engine import SamplingParams
 from tests.multinode.conftest import two_nodes, worker_addresses
 from tests.reference import EqualityStats, assert_same_tokens_as_text
+from tests.workers import wait_until
 
 MODEL = "smollm2-135m-instruct"
 PROMPTS = {  # fresh prompts per transport (a prompt the decode worker has cached needs no KV), each longer
@@ -133,8 +134,12 @@ def test_two_node_cluster_answers_as_one_engine(remote_role, namespaces, smollm_
                 assert len(addresses[role]) == 1 and addresses[role][0].startswith(ip + ":"), addresses
 
             assert_answers_equal_engine(first, llm, PROMPTS["grpc"], stats)
-            received = first.metric("kv_bytes_received", "decode")
-            assert received > 0 and first.metric("kv_bytes_sent", "prefill") == received
+            # the router polls each worker's Stats apart (every 0.5 s): wait until both snapshots
+            # are of after the last transfer, then every byte sent has arrived
+            received = wait_until(lambda: (n := first.metric("kv_bytes_received", "decode")) > 0
+                                  and first.metric("kv_bytes_sent", "prefill") == n and n,
+                                  timeout_s=10, what="the decode worker's kv_bytes_received to equal the bytes sent")
+            assert received == first.metric("kv_bytes_sent", "prefill")
             assert first.metric("num_prompt_tokens_computed", "decode") == 0  # every prompt came as KV
             assert_both_nodes_publish(cluster, addresses)
             assert_one_trace_over_both_nodes(cluster, first, f"two-nodes-{remote_role}")
