@@ -465,22 +465,16 @@ class EngineCore:
         together. Between two steps that take ``step`` ms beside the lane (the decode-only step
         apart from it times the measured slowdown, ``LaneTradeoff``), this thread reads layers
         for ``bound - step`` ms (``_help_beside``): the share ``h = (bound - step) / bound`` of
-        its time, against all of the lane thread's. A token of the second part costs this
-        thread ``ratio`` times what a token costs the lane thread (its attention reads the first
-        part's KV too: measured, ``_help_ms_per_token`` against ``PrefillLane.ms_per_token``;
-        1 until both are), so the second part gets ``h / (h + ratio)`` of the tokens (none with
-        no slack; half until the steps are measured, and without ``prefill_lane_help_ms``: the
-        engine thread then reads only when it has nothing to step)."""
+        its time, against all of the lane thread's, so the second part gets ``h / (1 + h)`` of
+        the tokens (none with no slack; half until both are measured, and without
+        ``prefill_lane_help_ms``: the engine thread then reads only when it has nothing to step)."""
         bound = self.config.scheduler.prefill_lane_help_ms
         tradeoff = self.scheduler.step_budget.tradeoff
         if bound is None or tradeoff.decode_ms_apart is None or tradeoff.slowdown is None:
             return 0.5
         step_ms = tradeoff.decode_ms_apart * tradeoff.slowdown
         share = max(0.0, bound - step_ms) / bound
-        ratio = 1.0
-        if self._help_ms_per_token is not None and self.lane.ms_per_token:
-            ratio = self._help_ms_per_token * len(self.lane.runner.kv_cache.layers) / self.lane.ms_per_token
-        return share / (share + ratio)
+        return share / (1.0 + share)
 
     def lane_wants_help(self) -> bool:
         """This thread holds the lane's prompt and it has layers left (the loop steps on)."""
