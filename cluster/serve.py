@@ -149,8 +149,8 @@ class ServeCluster:
                             "if it costs them less there than in the steps (policy cost)"}
             when = when.get(config.prefill_lane_policy, "")
             helps = ("" if config.prefill_lane_help_ms is None else
-                     f"; the decoding thread reads layers of a {SPLIT_MIN_TOKENS}+ token prompt's second part beside "
-                     f"it while a step and those layers take at most {config.prefill_lane_help_ms:g} ms")
+                     f"; the decoding thread reads layers of a {SPLIT_MIN_TOKENS}+ token prompt's second half beside "
+                     f"it while a step and a layer take at most {config.prefill_lane_help_ms:g} ms")
             say(f"prefill lane: a prompt of {config.prefill_lane_min_tokens}+ tokens that arrives while streams "
                 f"decode{when} is read on 1 of the {threads} threads, the others decoding meanwhile{helps}")
         sizes = {Role.DECODE: config.decode_workers}

@@ -193,9 +193,9 @@ class ServeConfig:
         f"{DEFAULT_PREFILL_LANE_PACE_MS:g})")
     prefill_lane_help_ms: float | None = flag(
         DEFAULT_PREFILL_LANE_HELP_MS, _help_ms,
-        f"while the prefill lane reads a prompt of {SPLIT_MIN_TOKENS}+ tokens, the worker's engine thread reads "
-        "layers of the prompt's second part beside the lane between two of its steps while the last step and those "
-        "layers take at most this many ms together, so the streams' tokens stay about this far apart at most "
+        f"while the prefill lane reads a prompt of {SPLIT_MIN_TOKENS}+ tokens, the worker's engine thread reads a "
+        "layer of the prompt's second half beside the lane between two of its steps when the last step and that "
+        "layer take at most this many ms together, so the streams' tokens stay about this far apart at most "
         f"('off': only while it has nothing to step; default {DEFAULT_PREFILL_LANE_HELP_MS:g})")
     max_queue: int = flag(256, int, "sequences (prompts x n) in flight before new requests get 429; tokenize "
                                     "calls count one")

@@ -166,8 +166,8 @@ class SchedulerConfig:
     # tokens slower than this many ms apart (engine/step_budget.py StreamPace); faster, the
     # steps read it on every thread
     prefill_lane_pace_ms: float = 80.0
-    # while the lane reads a prompt in two parts, the engine thread reads layers of the second
-    # between two steps while the last step and those layers take at most this many ms together
+    # while the lane reads a prompt in halves, the engine thread reads a layer of its second half
+    # between two steps when the last step and that layer take at most this many ms together
     # (engine/prefill_lane.py); None: only while it has nothing to step
     prefill_lane_help_ms: float | None = None
 

@@ -358,7 +358,7 @@ class EngineCore:
         scheduled = self.scheduler.schedule()
         if self.lane is not None and self.lane.busy:
             # with nothing to step, this thread computes the lane's prompt until there is again,
-            # a layer per call; beside streams with slack, layers of its second part between steps
+            # a layer per call; beside streams with slack, a layer of its second half per step
             if scheduled.seqs:
                 self.lane.narrow()
                 self._help_beside()
@@ -419,7 +419,7 @@ class EngineCore:
         thread lends it one of its threads while it holds any."""
         while self.lane.has_room and (seq := self.scheduler.take_for_lane()) is not None:
             self.kv_manager.pin(seq.request_id)
-            self.lane.submit(seq, self._lane_second_share())
+            self.lane.submit(seq)
         if self.lane.busy:
             torch.set_num_threads(self.num_threads - self.lane.threads)
 
@@ -440,41 +440,22 @@ class EngineCore:
         self.counters.lane_layers_helped += self.lane.help(self.num_threads)
 
     def _help_beside(self) -> None:
-        """Between two steps: read layers of the second part of the lane's prompt on this thread
-        while the streams can wait for them, that is while the last step and the layers read so
-        far and the next (by this thread's measured ms per token of such layers) take at most
-        ``prefill_lane_help_ms`` together (engine/prefill_lane.py)."""
+        """Between two steps: read a layer of the second half of the lane's prompt on this
+        thread if the streams can wait for it, that is if the last step and the layer (by this
+        thread's measured ms per token of such layers) take at most ``prefill_lane_help_ms``
+        together (engine/prefill_lane.py)."""
         bound = self.config.scheduler.prefill_lane_help_ms
-        spent_ms = 0.0
-        while bound is not None and (tokens := self.lane.beside_tokens()) is not None:
-            layer_ms = tokens * self._help_ms_per_token if self._help_ms_per_token is not None else 0.0
-            if self._last_step_ms + spent_ms + layer_ms > bound:
-                return
-            started = time.perf_counter()
-            if not self.lane.help(self.num_threads, timeout_s=0.0):
-                return
-            elapsed_ms = (time.perf_counter() - started) * 1000.0
-            spent_ms += elapsed_ms
+        tokens = self.lane.beside_tokens() if bound is not None else None
+        if tokens is None:
+            return
+        layer_ms = tokens * self._help_ms_per_token if self._help_ms_per_token is not None else 0.0
+        if self._last_step_ms + layer_ms > bound:
+            return
+        started = time.perf_counter()
+        if self.lane.help(self.num_threads, timeout_s=0.0):
             self.counters.lane_layers_helped += 1
-            self._help_ms_per_token = moving_average(self._help_ms_per_token, elapsed_ms / tokens,
-                                                     HELP_COST_SMOOTHING)
-
-    def _lane_second_share(self) -> float:
-        """The share of a prompt the lane reads in two parts (PrefillLane.submit) that its
-        second part gets: what this thread can read beside the lane, so that both parts end
-        together. Between two steps that take ``step`` ms beside the lane (the decode-only step
-        apart from it times the measured slowdown, ``LaneTradeoff``), this thread reads layers
-        for ``bound - step`` ms (``_help_beside``): the share ``h = (bound - step) / bound`` of
-        its time, against all of the lane thread's, so the second part gets ``h / (1 + h)`` of
-        the tokens (none with no slack; half until both are measured, and without
-        ``prefill_lane_help_ms``: the engine thread then reads only when it has nothing to step)."""
-        bound = self.config.scheduler.prefill_lane_help_ms
-        tradeoff = self.scheduler.step_budget.tradeoff
-        if bound is None or tradeoff.decode_ms_apart is None or tradeoff.slowdown is None:
-            return 0.5
-        step_ms = tradeoff.decode_ms_apart * tradeoff.slowdown
-        share = max(0.0, bound - step_ms) / bound
-        return share / (1.0 + share)
+            sample = (time.perf_counter() - started) * 1000.0 / tokens
+            self._help_ms_per_token = moving_average(self._help_ms_per_token, sample, HELP_COST_SMOOTHING)
 
     def lane_wants_help(self) -> bool:
         """This thread holds the lane's prompt and it has layers left (the loop steps on)."""

@@ -19,12 +19,10 @@ computing and one queued behind it), lends the lane
 one of its threads for as long as it holds any (and while it has nothing to step, computes the
 lane's prompt itself on all of them, a layer at a time: ``widen``, ``help``, ``narrow``), and
 takes the results back between two steps. A prompt of ``SPLIT_MIN_TOKENS`` or more is read in
-two parts, the second a layer behind the first: between two of its steps the engine thread
-reads layers of the second part on its own thread, beside the lane's thread on the first, for
-as long as its last step and those layers take at most ``--prefill-lane-help-ms`` together, so
-the prompt has both cores while the streams can spare them (DEFAULT_PREFILL_LANE_HELP_MS). The
-second part is the share of the prompt that this slack reads while the lane thread reads the
-first (``EngineCore._lane_second_share``; at most half, none without slack);
+two halves, the second a layer behind the first: when its last step and such a layer take at
+most ``--prefill-lane-help-ms`` together, the engine thread reads a layer of the second half
+between two of its steps on its own thread, beside the lane's thread on the first, so the
+prompt has both cores while the streams can spare them (DEFAULT_PREFILL_LANE_HELP_MS);
 each request then joins the batch with its first token, as one whose KV came from a prefill
 worker does. While the lane is full, the next prompt for it waits at the head of the queue
 rather than stall the streams in a step (and what arrived after it waits too): the streams'
@@ -92,9 +90,9 @@ DEFAULT_PREFILL_LANE_POLICY = "pace"
 # little under the 100 ms TPOT SLO of the capacity searches; 70 sent more prompts to the lane
 # for a lower TPOT p90 and a higher TTFT p90 (75 / 689 ms against 83 / 660 at 2.32 req/s).
 DEFAULT_PREFILL_LANE_PACE_MS = 80.0
-# `--prefill-lane-help-ms` default: while the lane reads a prompt in two parts (SPLIT_MIN_TOKENS),
-# the engine thread reads layers of the second between two steps, on its own thread, while its
-# last step and those layers take at most this many ms together: the prompt gets both
+# `--prefill-lane-help-ms` default: while the lane reads a prompt in halves (SPLIT_MIN_TOKENS),
+# the engine thread reads a layer of its second half between two steps, on its own thread,
+# when its last step and that layer take at most this many ms together: the prompt gets both
 # cores while the streams can spare the time, and their tokens stay at most about this far
 # apart: the pace policy's bound. On the family-25 EPYC a layer of a 1000-token prompt's half
 # takes ~30 ms on one thread and a decode step beside the lane 30-35, so 60 let the engine
@@ -106,17 +104,14 @@ DEFAULT_PREFILL_LANE_HELP_MS = 80.0
 HELP_COST_SMOOTHING = 0.25
 # the weight of the newest prompt in the moving average of the lane's ms per prompt token
 LANE_COST_SMOOTHING = 0.25
-# A prompt with at least this many tokens to compute is read in two parts (``_Part``): the lane
+# A prompt with at least this many tokens to compute is read in two halves (``_Part``): the lane
 # thread reads the first; the second, which needs the first's KV of each layer before its own
 # attention there, runs a layer behind it, on whichever thread gets to it. While the lane reads
-# the first part, the engine thread may read layers of the second between its steps on its own
+# the first half, the engine thread may read layers of the second between its steps on its own
 # thread (``help``: while the streams have slack, engine_core.py), so that the prompt gets both
 # cores without a second OpenMP team. Shorter prompts would pay more for reading the weights
-# twice than the parts gain.
+# twice than the halves gain.
 SPLIT_MIN_TOKENS = 256
-# the fewest tokens of a prompt's second part (``split_prompt``): with fewer, the engine thread
-# would have next to nothing to read beside the lane, and the prompt is read whole
-SPLIT_MIN_PART_TOKENS = 32
 # how long the engine thread may hold the lane's prompt (``PrefillLane.widen``) without computing
 # a layer of it before the lane thread takes it back: far longer than the engine loop takes
 # between two ``help`` calls, so only an engine thread stuck elsewhere loses it
@@ -176,7 +171,7 @@ class PrefillLane:
         self._current_started: float | None = None  # time.monotonic() when it started
         self._computed_s = 0.0  # time spent computing prompts that are done (``computed_s``)
         self._cancelled: set[str] = set()  # pending ids the lane skips if it has not started them
-        self._jobs: queue.SimpleQueue[tuple[ScheduledSeq, float] | None] = queue.SimpleQueue()
+        self._jobs: queue.SimpleQueue[ScheduledSeq | None] = queue.SimpleQueue()
         self._done: queue.SimpleQueue[LaneResult] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._main, name="prefill-lane", daemon=True)
         self._thread.start()
@@ -189,15 +184,12 @@ class PrefillLane:
     def has_room(self) -> bool:
         return len(self.pending) < self.depth
 
-    def submit(self, seq: ScheduledSeq, second_share: float = 0.5) -> None:
-        """Queue ``seq``; a prompt read in two parts (``split_prompt``) gives the second
-        ``second_share`` of its tokens: the share the engine thread is expected to read beside
-        the lane (``EngineCore._lane_second_share``)."""
+    def submit(self, seq: ScheduledSeq) -> None:
         assert self.has_room, f"the lane holds at most {self.depth} prompts"
         self.pending.append(seq.request_id)
         with self._lock:
             self._tokens_left += len(seq.token_ids)
-        self._jobs.put((seq, second_share))
+        self._jobs.put(seq)
 
     def take_done(self) -> LaneResult | None:
         """The next prompt the lane finished, if it has (never blocks)."""
@@ -250,9 +242,9 @@ class PrefillLane:
             return self.engine_holds and self._job is not None and not self._job.finished
 
     def beside_tokens(self) -> int | None:
-        """The lane reads the first part of a prompt read in two, and the second part's next
+        """The lane reads the first half of a prompt read in halves, and the second half's next
         layer is ready for the engine thread (``help`` would compute it without waiting): that
-        part's tokens; else None."""
+        half's tokens; else None."""
         with self._lock:
             job = self._job
             part = self._engine_part(job) if job is not None and job.beside else None
@@ -312,10 +304,9 @@ class PrefillLane:
         name_native_thread()
         torch.set_num_threads(self.threads)  # this thread's OpenMP team; the engine thread keeps its own
         while True:
-            job_spec = self._jobs.get()
-            if job_spec is None:
+            seq = self._jobs.get()
+            if seq is None:
                 return
-            seq, second_share = job_spec
             started, clock = time.monotonic(), time.perf_counter()
             if seq.request_id in self._cancelled:
                 result = LaneResult(seq, None, None, 0.0, started)
@@ -326,7 +317,7 @@ class PrefillLane:
                 try:
                     job = _Job([_Part(self.runner.execute_layers(SchedulerOutput(
                         seqs=[part], num_batched_tokens=len(part.token_ids), preempted_ids=[])), len(part.token_ids),
-                        num_layers) for part in split_prompt(seq, second_share)])
+                        num_layers) for part in split_prompt(seq)])
                 except Exception as exc:  # the engine thread fails this request alone
                     job = _Job([], error=exc)
                 with self._lock:
@@ -401,20 +392,16 @@ class PrefillLane:
             self._turns.notify_all()
 
 
-def split_prompt(seq: ScheduledSeq, second_share: float = 0.5) -> list[ScheduledSeq]:
+def split_prompt(seq: ScheduledSeq) -> list[ScheduledSeq]:
     """The prompt as the lane reads it: whole, or (``SPLIT_MIN_TOKENS`` or more, no prompt
-    logprobs, no KV export) in two parts: the first, which samples nothing, and the second, of
-    ``second_share`` of its tokens (at most half), which samples the first token as the whole
-    prompt would. Whole as well when the second part would be under ``SPLIT_MIN_PART_TOKENS``."""
+    logprobs, no KV export) its first half, which samples nothing, and its second half, which
+    samples the first token as the whole prompt would."""
     num = len(seq.token_ids)
     if num < SPLIT_MIN_TOKENS or seq.prompt_logprobs is not None or seq.export_from is not None:
         return [seq]
-    second = round(num * min(0.5, max(0.0, second_share)))
-    if second < SPLIT_MIN_PART_TOKENS:
-        return [seq]
-    first = num - second
-    return [replace(seq, token_ids=seq.token_ids[:first], sampling=None),
-            replace(seq, token_ids=seq.token_ids[first:], start_pos=seq.start_pos + first)]
+    half = num // 2
+    return [replace(seq, token_ids=seq.token_ids[:half], sampling=None),
+            replace(seq, token_ids=seq.token_ids[half:], start_pos=seq.start_pos + half)]
 
 
 @dataclass(slots=True)
