@@ -11,9 +11,9 @@ TANDEM_EXACT_BLOCKS=0 leaves every weight as it is (the float32 kernels), for co
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 

@@ -15,11 +15,10 @@ rows of x; BLAS treats a few rows as as many matrix-vector products and streams 
 per row. Timing both on SmolLM2-135M's matmuls put the crossover between 4 rows (the kernel
 ahead) and 8 (BLAS ahead). Each row's result does not depend on the other rows. README's
 small-batch float32 table (`tandem bench engine --dtypes float32 --batch-sizes 1,2,4`) shows
-the effect. Above
-that, where oneDNN with a weight packed once beats torch's default float32 matmul on this CPU
-(``onednn_f32_faster``, timed once per process), the weight is packed for oneDNN too: on an
-AMD EPYC with AVX2 only, torch's default (MKL) took 41 ms for SmolLM2's output head at 16 rows
-and oneDNN 14 ms; on CPUs where MKL is as fast, nothing changes.
+the effect. Above that, where oneDNN with a weight packed once beats torch's default float32
+matmul on this CPU (``onednn_f32_faster``, timed once per process), the weight is packed for
+oneDNN too: on an AMD EPYC with AVX2 only, torch's default (MKL) took 41 ms for SmolLM2's
+output head at 16 rows and oneDNN 14 ms; on CPUs where MKL is as fast, nothing changes.
 """
 
 from __future__ import annotations

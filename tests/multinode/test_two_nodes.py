@@ -134,12 +134,13 @@ def test_two_node_cluster_answers_as_one_engine(remote_role, namespaces, smollm_
                 assert len(addresses[role]) == 1 and addresses[role][0].startswith(ip + ":"), addresses
 
             assert_answers_equal_engine(first, llm, PROMPTS["grpc"], stats)
-            # the router polls each worker's Stats apart (every 0.5 s): wait until both snapshots
-            # are of after the last transfer, then every byte sent has arrived
-            received = wait_until(lambda: (n := first.metric("kv_bytes_received", "decode")) > 0
-                                  and first.metric("kv_bytes_sent", "prefill") == n and n,
-                                  timeout_s=10, what="the decode worker's kv_bytes_received to equal the bytes sent")
-            assert received == first.metric("kv_bytes_sent", "prefill")
+            # the router polls each worker's Stats apart (every 0.5 s): once both snapshots are of
+            # after the last transfer, every byte sent has arrived
+            def all_sent_arrived() -> bool:
+                received = first.metric("kv_bytes_received", "decode")
+                return received > 0 and first.metric("kv_bytes_sent", "prefill") == received
+
+            wait_until(all_sent_arrived, timeout_s=10, what="the decode worker to have received every KV byte sent")
             assert first.metric("num_prompt_tokens_computed", "decode") == 0  # every prompt came as KV
             assert_both_nodes_publish(cluster, addresses)
             assert_one_trace_over_both_nodes(cluster, first, f"two-nodes-{remote_role}")
