@@ -11,8 +11,8 @@
 // The matmul rebuilds each block's 32 floats in registers (q * d + m is exact in float32: d
 // has 11 significant bits and q at most 8, so the only rounding is the one the dequantizer
 // made), once for all rows of x, and accumulates in float32 like a float32 matmul (the sum's
-// order differs, as between any two float32 kernels). Portable C++ (GCC vector extensions)
-// built with -march=native: one AVX-512 register per 16 floats, or two AVX2 ones.
+// order differs, as between any two float32 kernels). Portable C++ (GCC vector extensions of
+// the registers' width) built with -march=native: AVX-512, AVX2, or plain C++ elsewhere.
 #include "torch_ops.h"
 #include <c10/util/Half.h>
 #include <atomic>
@@ -23,59 +23,63 @@
 #include <immintrin.h>
 #endif
 
-#include "vec_math.h"
 
 namespace {
 
 constexpr int64_t kBlock = 32;
-typedef int32_t i32x16 __attribute__((vector_size(64)));
+
+// One register of floats (and of int32) at the machine's width. GCC lowers a vector wider than
+// the registers through the stack when a scalar multiplies it (16 stores to broadcast it), which
+// made the first version, written for 16 lanes, 3-7x slower than a float32 matmul on AVX2.
+#if defined(__AVX512F__)
+typedef float vf __attribute__((vector_size(64)));
+typedef int32_t vi __attribute__((vector_size(64)));
+#else
+typedef float vf __attribute__((vector_size(32)));
+typedef int32_t vi __attribute__((vector_size(32)));
+#endif
+constexpr int kLanes = sizeof(vf) / sizeof(float);
+constexpr int kParts = kBlock / kLanes;  // registers a block of 32 fills: 2 (AVX-512) or 4
 
 #if defined(__AVX512F__)
-// rows of x per pass over kRows weight rows: 2 x 8 accumulators of 16 lanes in 32 registers
+// rows of x per pass over kRows weight rows: 2 x 8 accumulators in 32 registers
 constexpr int kGroup = 8;
 constexpr int kRows = 2;
 #else
-constexpr int kGroup = 4;  // AVX2 has 16 registers of 8 lanes: 4 accumulators of 16 lanes take 8
+// AVX2's 16 registers: 8 accumulators, a block's 4 registers, x and the nibble mask
+constexpr int kGroup = 8;
 constexpr int kRows = 1;
 #endif
 
 inline float as_half(float v) { return static_cast<float>(static_cast<c10::Half>(v)); }
 
-inline vec16 load16(const float* p) {
-  vec16 v;
+inline vf load_vf(const float* p) {
+  vf v;
   std::memcpy(&v, p, sizeof(v));
   return v;
 }
 
-// 16 bytes (unsigned, or signed) widened to 16 int32 lanes: one vpmovzxbd / vpmovsxbd (GCC's
-// own conversion of a byte vector goes through scalar registers)
+// kLanes bytes (unsigned, or signed) widened to kLanes int32 lanes: one vpmovzxbd / vpmovsxbd
+// (GCC's own conversion of a byte vector goes through scalar registers)
 template <bool Signed>
-inline i32x16 widen_bytes(const void* p) {
+inline vi widen_bytes(const void* p) {
 #if defined(__AVX512F__)
   const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return (i32x16)(Signed ? _mm512_cvtepi8_epi32(b) : _mm512_cvtepu8_epi32(b));
+  return (vi)(Signed ? _mm512_cvtepi8_epi32(b) : _mm512_cvtepu8_epi32(b));
 #elif defined(__AVX2__)
-  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)), c = _mm_srli_si128(b, 8);
-  const __m256i halves[2] = {Signed ? _mm256_cvtepi8_epi32(b) : _mm256_cvtepu8_epi32(b),
-                             Signed ? _mm256_cvtepi8_epi32(c) : _mm256_cvtepu8_epi32(c)};
-  i32x16 v;
-  std::memcpy(&v, halves, sizeof(v));
-  return v;
+  const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  return (vi)(Signed ? _mm256_cvtepi8_epi32(b) : _mm256_cvtepu8_epi32(b));
 #else
-  i32x16 v;
-  for (int i = 0; i < 16; ++i)
+  vi v;
+  for (int i = 0; i < kLanes; ++i)
     v[i] = Signed ? static_cast<const int8_t*>(p)[i] : static_cast<const uint8_t*>(p)[i];
   return v;
 #endif
 }
 
-inline float lanes_sum(vec16 v) {
-  vec8 lo, hi;
-  std::memcpy(&lo, &v, sizeof(lo));
-  std::memcpy(&hi, reinterpret_cast<const char*>(&v) + sizeof(lo), sizeof(hi));
-  vec8 s8 = lo + hi;
+inline float lanes_sum(vf v) {
   float total = 0.f;
-  for (int i = 0; i < 8; ++i) total += s8[i];
+  for (int i = 0; i < kLanes; ++i) total += v[i];
   return total;
 }
 
@@ -85,10 +89,13 @@ struct Q4Row {
   const uint8_t* qs;
   const float* d;
   const float* m;
-  inline void block(int64_t j, vec16& lo, vec16& hi) const {
-    const i32x16 v = widen_bytes<false>(qs + j * 16);
-    lo = __builtin_convertvector(v & 15, vec16) * d[j] + m[j];
-    hi = __builtin_convertvector(v >> 4, vec16) * d[j] + m[j];
+  inline void block(int64_t j, vf (&w)[kParts]) const {
+    const float scale = d[j], low = m[j];
+    for (int h = 0; h < kParts / 2; ++h) {
+      const vi v = widen_bytes<false>(qs + j * 16 + h * kLanes);
+      w[h] = __builtin_convertvector(v & 15, vf) * scale + low;
+      w[h + kParts / 2] = __builtin_convertvector(v >> 4, vf) * scale + low;
+    }
   }
 };
 
@@ -96,9 +103,10 @@ struct Q4Row {
 struct Q8Row {
   const int8_t* qs;
   const float* d;
-  inline void block(int64_t j, vec16& lo, vec16& hi) const {
-    lo = __builtin_convertvector(widen_bytes<true>(qs + j * kBlock), vec16) * d[j];
-    hi = __builtin_convertvector(widen_bytes<true>(qs + j * kBlock + 16), vec16) * d[j];
+  inline void block(int64_t j, vf (&w)[kParts]) const {
+    const float scale = d[j];
+    for (int p = 0; p < kParts; ++p)
+      w[p] = __builtin_convertvector(widen_bytes<true>(qs + j * kBlock + p * kLanes), vf) * scale;
   }
 };
 
@@ -106,19 +114,18 @@ struct Q8Row {
 // block is rebuilt once for the G rows of x, and each load of x serves the R weight rows.
 template <int G, int R, typename Row>
 inline void dot_rows(const Row* row, const float* x, int64_t K, int64_t N, const float* add, float* out) {
-  vec16 acc[R][G];
+  vf acc[R][G];
   for (int r = 0; r < R; ++r)
-    for (int b = 0; b < G; ++b) acc[r][b] = vec16{};
+    for (int b = 0; b < G; ++b) acc[r][b] = vf{};
   const int64_t blocks = K / kBlock;
   for (int64_t j = 0; j < blocks; ++j) {
-    vec16 lo[R], hi[R];
-    for (int r = 0; r < R; ++r) row[r].block(j, lo[r], hi[r]);
+    vf w[R][kParts];
+    for (int r = 0; r < R; ++r) row[r].block(j, w[r]);
     const float* xj = x + j * kBlock;
     for (int b = 0; b < G; ++b) {
-      const vec16 x_lo = load16(xj + b * K), x_hi = load16(xj + b * K + 16);
-      for (int r = 0; r < R; ++r) {
-        acc[r][b] += lo[r] * x_lo;
-        acc[r][b] += hi[r] * x_hi;
+      for (int p = 0; p < kParts; ++p) {
+        const vf xp = load_vf(xj + b * K + p * kLanes);
+        for (int r = 0; r < R; ++r) acc[r][b] += w[r][p] * xp;
       }
     }
   }
@@ -136,12 +143,10 @@ inline void dot_any(const Row* row, const float* x, int64_t rows, int64_t K, int
     case 1: dot_rows<1, R>(row, x + b * K, K, N, add, out + b * N); break;
     case 2: dot_rows<2, R>(row, x + b * K, K, N, add, out + b * N); break;
     case 3: dot_rows<3, R>(row, x + b * K, K, N, add, out + b * N); break;
-#if defined(__AVX512F__)
     case 4: dot_rows<4, R>(row, x + b * K, K, N, add, out + b * N); break;
     case 5: dot_rows<5, R>(row, x + b * K, K, N, add, out + b * N); break;
     case 6: dot_rows<6, R>(row, x + b * K, K, N, add, out + b * N); break;
     default: dot_rows<7, R>(row, x + b * K, K, N, add, out + b * N); break;
-#endif
   }
 }
 

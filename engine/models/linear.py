@@ -37,7 +37,8 @@ from engine.kernels.build import cpu_flags
 # multiplied by its blocks; above it the float32 kernels below. SmolLM2-135M's float32 decode
 # step at context 320 on 2 cores of the family-25 EPYC: 12 ms against 24-29 at 1 row, 32-36
 # against 42-47 at 8, even at 12, 63-70 against 56-57 at 16 (the blocks' kernel is bound by
-# its arithmetic there, where oneDNN's packed float32 kernel does more per cycle).
+# its arithmetic there, where oneDNN's packed float32 kernel does more per cycle). On the
+# AVX2-only EPYC of family 23: 32 against 43 ms at 1 row, 51 against 111 at 4, 85 against 108 at 8.
 BLOCK_MAX_ROWS = 8
 SKINNY_MAX_ROWS = 4  # float32 rows up to which skinny_linear_f32 beats BLAS (measured, above)
 # oneDNN packs a float32 weight for a batch size; 16 was the fastest of 1/16/64 from 5 to 300
