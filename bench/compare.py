@@ -755,14 +755,15 @@ def _positive(text: str) -> bool:
 
 def colocated_variants(budgets: list[int], step_ms: list[str], lane_tokens: list[str] = (),
                        lane_wait_ms: list[str] = (), lane_policies: list[str] = (),
-                       lane_help_ms: list[str] = ()) -> list[tuple[str, list[str], str]]:
+                       lane_help_ms: list[str] = (), lane_ttft_ratios: list[str] = ()) -> list[tuple[str, list[str], str]]:
     """(name suffix, flags, description) of each colocated contender: one per token cap (chunked
     by tokens only), one per step target (``--max-step-ms``, a number or ``off``), one per
     prefill-lane threshold (``--prefill-lane-min-tokens``, a number or ``off``), one per bound
     on a prompt's wait for the busy lane (``--prefill-lane-max-wait-ms``, a number or ``off``),
     one per lane policy (``--prefill-lane-policy``), one per bound on a step and a layer within
-    which the engine thread helps the lane (``--prefill-lane-help-ms``, a number or ``off``);
-    tandem's defaults when none is given."""
+    which the engine thread helps the lane (``--prefill-lane-help-ms``, a number or ``off``), one
+    per bound on the lane's TTFT against the steps' (``--prefill-lane-ttft-ratio``, a number or
+    ``off``); tandem's defaults when none is given."""
     variants = [(f"-{budget}", ["--max-num-batched-tokens", str(budget), "--max-step-ms", "off"],
                  f"chunked prefill {budget} tokens per step") for budget in budgets]
     for target in step_ms:
@@ -798,6 +799,12 @@ def colocated_variants(budgets: list[int], step_ms: list[str], lane_tokens: list
                          "the engine thread helps the prefill lane only when idle" if help_ms == "off"
                          else f"the engine thread helps the prefill lane while a step and a layer take at most "
                               f"{help_ms} ms"))
+    for ratio in lane_ttft_ratios:
+        if ratio != "off" and not _positive(ratio):
+            raise ValueError(f"--colocated-lane-ttft-ratio takes numbers > 0 or off, got {ratio!r}")
+        variants.append((f"-ttft{ratio}", ["--prefill-lane-ttft-ratio", ratio],
+                         "the prefill lane takes what its policy sends it" if ratio == "off"
+                         else f"the prefill lane takes a prompt only if it is done within {ratio}x the steps' time"))
     return variants or [("", [], "its defaults")]
 
 
@@ -806,7 +813,8 @@ def default_contenders(model: str, hf_dir: str, dtype: str, colocated_budgets: l
                        colocated_lane_tokens: list[str] | None = None,
                        colocated_lane_wait_ms: list[str] | None = None,
                        colocated_lane_policies: list[str] | None = None,
-                       colocated_lane_help_ms: list[str] | None = None) -> list[Contender]:
+                       colocated_lane_help_ms: list[str] | None = None,
+                       colocated_lane_ttft_ratios: list[str] | None = None) -> list[Contender]:
     unknown = [n for n in names if n not in CONTENDERS]
     if unknown:
         raise ValueError(f"unknown contenders {unknown} (choose from {', '.join(CONTENDERS)})")
@@ -822,7 +830,8 @@ def default_contenders(model: str, hf_dir: str, dtype: str, colocated_budgets: l
         elif name == "colocated":
             for suffix, flags, what in colocated_variants(colocated_budgets, colocated_step_ms or [],
                                                           colocated_lane_tokens or [], colocated_lane_wait_ms or [],
-                                                          colocated_lane_policies or [], colocated_lane_help_ms or []):
+                                                          colocated_lane_policies or [], colocated_lane_help_ms or [],
+                                                          colocated_lane_ttft_ratios or []):
                 flags = ["--mode", "colocated", "--decode-workers", "1", "--worker-threads", "2", *flags]
                 contenders.append(tandem_contender(f"colocated{suffix}", model, dtype, flags,
                                                    f"tandem serve --mode colocated: 1 worker, 2 threads, {what}"))
@@ -903,6 +912,8 @@ def add_compare_args(compare, default_model: str) -> None:
                               "and cost:MS with its --prefill-lane-pace-ms): one colocated contender each")
     compare.add_argument("--colocated-lane-help-ms", default="",
                          help="comma-separated --prefill-lane-help-ms values (or off): one colocated contender each")
+    compare.add_argument("--colocated-lane-ttft-ratio", default="",
+                         help="comma-separated --prefill-lane-ttft-ratio values (or off): one colocated contender each")
     compare.add_argument("--no-transformers", action="store_true", help="skip transformers serve")
     compare.add_argument("--traffic-mix", default=None, metavar="CLASS:SHARE,...",
                          help="traffic classes instead of a sweep: a baseline run of --traffic-baseline's requests "
@@ -944,8 +955,9 @@ def run_compare(args) -> int:
     waits = [t.strip() for t in args.colocated_lane_wait_ms.split(",") if t.strip()]
     policies = [t.strip() for t in args.colocated_lane_policy.split(",") if t.strip()]
     helps = [t.strip() for t in args.colocated_lane_help_ms.split(",") if t.strip()]
+    ratios = [t.strip() for t in args.colocated_lane_ttft_ratio.split(",") if t.strip()]
     contenders = default_contenders(args.model, hf_dir, args.dtype, budgets, names, args.vllm_python, step_ms, lanes,
-                                    waits, policies, helps)
+                                    waits, policies, helps, ratios)
     calibration = make_dataset(args.dataset, 3, args.seed + 1000, spec)  # prompts of their own, same shape
     warm_up = make_dataset(args.dataset, args.warm_up, args.seed + 2000, spec)
     if args.repeat > 1 and not args.capacity:

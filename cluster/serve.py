@@ -148,6 +148,9 @@ class ServeCluster:
                     "cost": f" while the streams get tokens more than {config.prefill_lane_pace_ms:g} ms apart, "
                             "if it costs them less there than in the steps (policy cost)"}
             when = when.get(config.prefill_lane_policy, "")
+            if when and config.prefill_lane_ttft_ratio is not None:
+                when += (f", and if it gives the first token within {config.prefill_lane_ttft_ratio:g}x the steps' time "
+                         "(as measured)")
             helps = ("" if config.prefill_lane_help_ms is None else
                      f"; the decoding thread reads layers of a {SPLIT_MIN_TOKENS}+ token prompt's second half beside "
                      f"it while a step and a layer take at most {config.prefill_lane_help_ms:g} ms")
@@ -253,6 +256,7 @@ class ServeCluster:
                           prefill_lane_policy=config.prefill_lane_policy,
                           prefill_lane_pace_ms=config.prefill_lane_pace_ms,
                           prefill_lane_help_ms=config.prefill_lane_help_ms,
+                          prefill_lane_ttft_ratio=config.prefill_lane_ttft_ratio,
                           scheduling_policy=config.scheduling_policy,
                           num_threads=plan.worker_threads, chat_template=self.chat_template,
                           attention_backend=config.attention_backend, device=config.device,

@@ -25,6 +25,7 @@ from engine.prefill_lane import (
     DEFAULT_PREFILL_LANE_MIN_TOKENS,
     DEFAULT_PREFILL_LANE_PACE_MS,
     DEFAULT_PREFILL_LANE_POLICY,
+    DEFAULT_PREFILL_LANE_TTFT_RATIO,
     SPLIT_MIN_TOKENS,
 )
 from engine.step_budget import DEFAULT_MAX_STEP_MS
@@ -81,6 +82,15 @@ def _help_ms(value: str) -> float | None:
     number = float(value)
     if not 0 < number < float("inf"):  # NaN fails too
         raise argparse.ArgumentTypeError(f"--prefill-lane-help-ms must be a number of ms > 0 or 'off', got {value!r}")
+    return number
+
+
+def _ttft_ratio(value: str) -> float | None:
+    if value.strip().lower() in ("off", "none"):
+        return None
+    number = float(value)
+    if not 0 < number < float("inf"):  # NaN fails too
+        raise argparse.ArgumentTypeError(f"--prefill-lane-ttft-ratio must be a number > 0 or 'off', got {value!r}")
     return number
 
 
@@ -197,6 +207,12 @@ class ServeConfig:
         "layer of the prompt's second half beside the lane between two of its steps when the last step and that "
         "layer take at most this many ms together, so the streams' tokens stay about this far apart at most "
         f"('off': only while it has nothing to step; default {DEFAULT_PREFILL_LANE_HELP_MS:g})")
+    prefill_lane_ttft_ratio: float | None = flag(
+        DEFAULT_PREFILL_LANE_TTFT_RATIO, _ttft_ratio,
+        "policies pace and cost: the prefill lane takes a prompt only if, by the rates the worker measures as it "
+        "serves, it would give the prompt its first token within this many times what the steps would, the prompt "
+        "tokens queued in the steps included ('off': whenever the policy sends it; default "
+        f"{'off' if DEFAULT_PREFILL_LANE_TTFT_RATIO is None else format(DEFAULT_PREFILL_LANE_TTFT_RATIO, 'g')})")
     max_queue: int = flag(256, int, "sequences (prompts x n) in flight before new requests get 429; tokenize "
                                     "calls count one")
     scheduling_policy: str = flag("fcfs", help="fcfs: arrival order everywhere; priority: requests run by their "

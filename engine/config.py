@@ -170,6 +170,10 @@ class SchedulerConfig:
     # between two steps when the last step and that layer take at most this many ms together
     # (engine/prefill_lane.py); None: only while it has nothing to step
     prefill_lane_help_ms: float | None = None
+    # "pace" and "cost": the lane takes a prompt only if, by the measured rates, it would give the
+    # prompt its first token within this many times what the steps would (their queue of prompt
+    # tokens included); None: whenever the policy sends it
+    prefill_lane_ttft_ratio: float | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.policy, SchedulingPolicy):
@@ -186,6 +190,8 @@ class SchedulerConfig:
             raise ValueError(f"prefill_lane_pace_ms must be > 0, got {self.prefill_lane_pace_ms}")
         if self.prefill_lane_help_ms is not None and not 0 < self.prefill_lane_help_ms < float("inf"):
             raise ValueError(f"prefill_lane_help_ms must be > 0 (or None), got {self.prefill_lane_help_ms}")
+        if self.prefill_lane_ttft_ratio is not None and not 0 < self.prefill_lane_ttft_ratio < float("inf"):
+            raise ValueError(f"prefill_lane_ttft_ratio must be > 0 (or None), got {self.prefill_lane_ttft_ratio}")
         if self.prefill_lane_policy not in LANE_POLICIES:
             raise ValueError(f"prefill_lane_policy must be one of {', '.join(LANE_POLICIES)}, "
                              f"got {self.prefill_lane_policy!r}")

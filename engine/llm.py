@@ -198,6 +198,7 @@ workers build their engine from that with ``build_core()``, not through ``LLM``.
     prefill_lane_policy: str = "first"  # --prefill-lane-policy (engine/config.py LANE_POLICIES)
     prefill_lane_pace_ms: float = 80.0  # --prefill-lane-pace-ms (the "pace" policy)
     prefill_lane_help_ms: float | None = None  # --prefill-lane-help-ms
+    prefill_lane_ttft_ratio: float | None = None  # --prefill-lane-ttft-ratio
     scheduling_policy: str = "fcfs"  # --scheduling-policy: fcfs | priority
     enable_prefix_caching: bool = True
     num_threads: int | None = None  # --worker-threads: each worker pins its own
@@ -237,7 +238,8 @@ workers build their engine from that with ``build_core()``, not through ``LLM``.
             scheduler=SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, self.max_step_ms,
                                       SchedulingPolicy(self.scheduling_policy), self.prefill_lane_min_tokens,
                                       self.prefill_lane_max_wait_ms, self.prefill_lane_policy,
-                                      self.prefill_lane_pace_ms, self.prefill_lane_help_ms),
+                                      self.prefill_lane_pace_ms, self.prefill_lane_help_ms,
+                                      self.prefill_lane_ttft_ratio),
             num_threads=self.num_threads,
             seed=self.seed,
             attention_backend=self.attention_backend,

@@ -99,6 +99,10 @@ DEFAULT_PREFILL_LANE_PACE_MS = 80.0
 # thread read one layer in a whole prompt, 80 about ten (a 1000-token prompt beside three
 # streams: 1.55 s alone on the lane, 1.27 s helped, the streams' tokens 35 then 45 ms apart).
 DEFAULT_PREFILL_LANE_HELP_MS = 80.0
+# `--prefill-lane-ttft-ratio` default (policies pace and cost): the lane takes a prompt only if it
+# would give it its first token within this many times what the steps would (Scheduler._lane_sooner);
+# None: whenever the policy sends it.
+DEFAULT_PREFILL_LANE_TTFT_RATIO: float | None = None
 # the weight of the newest layer in the moving average of what a layer of a prompt's second half
 # costs the engine thread per token (EngineCore._help_beside)
 HELP_COST_SMOOTHING = 0.25

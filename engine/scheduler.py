@@ -189,7 +189,10 @@ class Scheduler:
             return None
         if policy == "cost" and not self._lane_costs_less():
             return None
-        return self._lane_fit(request)
+        cached = self._lane_fit(request)
+        if cached is None or (policy in ("pace", "cost") and not self._lane_sooner(request, cached)):
+            return None
+        return cached
 
     def _lane_fit(self, request: Request) -> list[int] | None:
         """Its prefix-cache hit if the lane could read ``request``, else None: this engine has a
@@ -213,8 +216,32 @@ class Scheduler:
         if self.lane is None or not self.lane.busy or not self._lane_in_time(request):
             return False
         if self.config.prefill_lane_policy in ("pace", "cost"):
-            return self._lane_fit(request) is not None
+            cached = self._lane_fit(request)
+            return cached is not None and self._lane_sooner(request, cached)
         return self._lane_hit(request) is not None
+
+    def _lane_sooner(self, request: Request, cached: list[int]) -> bool:
+        """The lane would give ``request`` its first token within ``prefill_lane_ttft_ratio``
+        times what the steps would, by what this engine measured: the lane, after what it holds
+        (``PrefillLane.backlog_ms``), at its ms per token; the steps, after the prompt tokens
+        that running requests still lack, in steps of their measured cost beside the decodes
+        (``StepBudget.prompt_ms``, on the threads the busy lane leaves them). The lane's one
+        thread reads a prompt slower than the steps on every thread (1.5-2x), so a prompt it
+        takes while the steps have nothing ahead of it forms the TTFT tail; with prompt work
+        queued in the steps it is the sooner. True while either side is unmeasured, or with no
+        ratio set."""
+        ratio = self.config.prefill_lane_ttft_ratio
+        if ratio is None or self.lane.ms_per_token is None:
+            return True
+        tokens = request.num_prompt_tokens - len(cached) * self.kv.block_size
+        ahead = sum(r.num_tokens - r.num_computed_tokens for r in self.running
+                    if r.num_tokens - r.num_computed_tokens > 1)
+        num_decodes = sum(1 for r in self.running if r.num_tokens - r.num_computed_tokens == 1)
+        steps_ms = self.step_budget.prompt_ms(ahead + tokens, num_decodes, beside_lane=self.lane.busy)
+        if steps_ms is None:
+            return True
+        lane_ms = (self.lane.backlog_ms(time.monotonic()) or 0.0) + tokens * self.lane.ms_per_token
+        return lane_ms <= ratio * steps_ms
 
     def _streams_behind(self) -> bool:
         """The decoding streams get their tokens slower than ``prefill_lane_pace_ms`` apart now

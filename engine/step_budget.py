@@ -103,6 +103,23 @@ class StepBudget:
         room_ms = target - (self.decode_ms or 0.0)
         return max(self.config.min_chunk_tokens, min(cap, int(room_ms / self.ms_per_prompt_token)))
 
+    def prompt_ms(self, num_tokens: int, num_decodes: int, beside_lane: bool = False) -> float | None:
+        """How long the steps would take to read ``num_tokens`` prompt tokens beside
+        ``num_decodes`` decoding sequences, by what this engine measured: steps of at most
+        ``prompt_tokens(num_decodes)`` prompt tokens, each its decode part plus its tokens'
+        marginal cost. The costs are those of steps apart from the prefill lane (every thread)
+        where measured, else of every step; ``beside_lane``: the steps run beside the lane's
+        prompt, each ``LaneTradeoff.slowdown`` times as long. None before a step that read
+        prompt tokens beside decodes has been timed."""
+        tradeoff = self.tradeoff
+        per_token = tradeoff.step_ms_per_token or self.ms_per_prompt_token
+        if per_token is None or num_tokens <= 0:
+            return None if per_token is None else 0.0
+        decode_ms = (tradeoff.decode_ms_apart or self.decode_ms or 0.0) if num_decodes else 0.0
+        steps = -(-num_tokens // self.prompt_tokens(num_decodes))
+        ms = steps * decode_ms + num_tokens * per_token
+        return ms * (tradeoff.slowdown or 1.0) if beside_lane else ms
+
     def observe(self, shape: StepShape) -> None:
         if shape.num_decodes and shape.ended_at is not None:
             self.pace.observe(shape.ended_at)

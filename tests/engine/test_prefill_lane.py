@@ -21,6 +21,7 @@ from engine.kv_cache.manager import KVCacheManager
 from engine.llm import EngineArgs
 from engine.remote_kv import KVFailurePolicy
 from engine.sampling_params import SamplingParams
+from engine.step_budget import LaneTradeoff
 from proto.convert import worker_stats
 from tests.reference import EqualityStats, assert_token_equal, hf_greedy
 
@@ -936,6 +937,65 @@ def test_the_cost_policy_gives_the_lane_a_prompt_only_when_it_costs_the_streams_
         core.close()
     assert [request_id for request_id, _, _ in seen] == [case[0] for case in cases if case[6]]
     assert_plain_engines_tokens(tiny_llama_dir, streams, prompts, tokens)
+
+
+class FixedTradeoff(LaneTradeoff):
+    """LaneTradeoff with the steps' costs a test sets (it learns nothing from the steps)."""
+
+    def observe(self, shape) -> None:
+        pass
+
+
+def test_a_ttft_ratio_gives_the_lane_a_prompt_only_when_it_answers_about_as_soon_as_the_steps(tiny_llama_dir):
+    """``prefill_lane_ttft_ratio``: under ``pace``, with the streams behind, the lane takes a
+    prompt only if, at its measured ms per token after its backlog, it gives the first token
+    within the ratio times the steps' time (StepBudget.prompt_ms: the steps' costs, the prompt
+    tokens running requests still lack counted ahead of it). Here the steps take 30 ms a step
+    beside the decodes and 1 ms a prompt token: a lone 100-token prompt 130 ms."""
+    core = build(tiny_llama_dir, LANE_MIN, max_model_len=512, prefill_lane_policy="pace", prefill_lane_pace_ms=60.0,
+                 prefill_lane_ttft_ratio=1.2)
+    seen = wrap_lane(core)
+    tokens: dict[str, list[int]] = {}
+    step = functools.partial(step_into, core, tokens)
+    streams = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+    pace, costs = SetPace(75.0), FixedTradeoff()
+    costs.decode_ms_apart, costs.step_ms_per_token = 30.0, 1.0
+    # (prompt, its length, the lane's ms per token (None: not measured), whether the lane takes it)
+    cases = [("unmeasured", 100, None, True),
+             ("slow-lane", 100, 3.0, False),  # 300 ms against 1.2 x 130
+             ("fast-lane", 100, 1.5, True),  # 150 ms
+             # from here on the steps read 16 prompt tokens a step: 19 steps and 300 tokens (870 ms) against 1500
+             ("ahead", 300, 5.0, False),
+             # 500 ms: more than 1.2 x 310 (7 steps, 100 tokens) alone, less behind 284 of ahead's (1325)
+             ("behind-a-prompt", 100, 5.0, True)]
+    prompts = {name: long_prompt(70 + index, length) for index, (name, length, _, _) in enumerate(cases)}
+    try:
+        tokens.update(start_streams(core, params=streams))
+        budget = core.scheduler.step_budget
+        budget.pace, budget.tradeoff = pace, costs
+        for name, _, lane_ms_per_token, to_lane in cases:
+            if name == "behind-a-prompt":
+                ahead = core.scheduler.requests["ahead"]
+                assert ahead.num_tokens - ahead.num_computed_tokens == 284
+            core.lane.ms_per_token = lane_ms_per_token
+            if name == "ahead":
+                budget.prompt_tokens = lambda num_decodes: 16
+            core.add_request(core.make_request(name, prompts[name], GREEDY))
+            step()
+            assert core.lane.pending == ([name] if to_lane else []), name
+            assert (core.scheduler.requests[name].num_computed_tokens > 0) is not to_lane, name
+            deadline = time.monotonic() + 60
+            while core.lane.busy:  # the next case starts with the lane idle
+                assert time.monotonic() < deadline
+                step()
+            assert core.scheduler.running and all(len(tokens[s]) < 200 for s in ("s0", "s1"))  # still decoding
+        drain(core, step)
+    finally:
+        core.close()
+    assert [request_id for request_id, _, _ in seen] == [case[0] for case in cases if case[3]]
+    assert_plain_engines_tokens(tiny_llama_dir, streams, prompts, tokens)
+    with pytest.raises(ValueError, match="prefill_lane_ttft_ratio"):
+        build(tiny_llama_dir, LANE_MIN, max_model_len=512, prefill_lane_policy="pace", prefill_lane_ttft_ratio=0.0)
 
 
 def test_the_engine_measures_what_a_prompt_costs_the_streams_beside_the_lane_and_apart_from_it(lane_core):

@@ -178,3 +178,26 @@ def test_the_lane_tradeoff_measures_both_sides_from_steps_apart_from_and_beside_
     budget.observe(StepShape(num_decodes=8, num_prompt_tokens=0, elapsed_s=0.010, lane_share=1.0, ended_at=8.0))
     budget.observe(StepShape(num_decodes=8, num_prompt_tokens=0, elapsed_s=0.010, lane_share=1.0, ended_at=9.0))
     assert tradeoff.slowdown < 1.0 and tradeoff.lane_ms(0.9) == 0.0
+
+
+def test_the_steps_time_for_a_prompt_is_its_chunks_decode_parts_and_tokens_at_the_measured_costs():
+    """StepBudget.prompt_ms (the prefill lane's TTFT guard compares the lane with it): one decode
+    part per step the prompt's chunks take, each token at its marginal cost; the costs measured
+    apart from the lane where there are some, and the lane's slowdown beside it."""
+    budget = StepBudget(StepBudgetConfig(max_num_batched_tokens=4096, max_step_ms=100, smoothing=1.0))
+    assert budget.prompt_ms(200, num_decodes=4) is None  # no prompt step timed yet
+    budget.observe(StepShape(num_decodes=4, num_prompt_tokens=0, elapsed_s=0.040, lane_share=0.0))
+    budget.observe(StepShape(num_decodes=4, num_prompt_tokens=120, elapsed_s=0.100, lane_share=0.0))  # 0.5 ms a token
+    assert budget.prompt_tokens(num_decodes=4) == 120
+    assert budget.prompt_ms(200, num_decodes=4) == pytest.approx(2 * 40 + 200 * 0.5)  # chunks of 120 and 80
+    assert budget.prompt_ms(120, num_decodes=4) == pytest.approx(40 + 120 * 0.5)
+    assert budget.prompt_ms(0, num_decodes=4) == 0.0
+    assert budget.prompt_ms(200, num_decodes=0) == pytest.approx(200 * 0.5)  # one pass, nothing decodes beside it
+    # steps beside the lane teach the slowdown, and cost that much more; apart from it the costs stay
+    budget.observe(StepShape(num_decodes=4, num_prompt_tokens=0, elapsed_s=0.060, lane_share=1.0))
+    budget.observe(StepShape(num_decodes=4, num_prompt_tokens=100, elapsed_s=0.300, lane_share=1.0))
+    assert budget.tradeoff.slowdown == pytest.approx(1.5) and budget.tradeoff.step_ms_per_token == pytest.approx(0.5)
+    chunk = budget.prompt_tokens(num_decodes=4)  # the blend of every step sets the chunk: smaller now
+    steps = -(-200 // chunk)
+    assert budget.prompt_ms(200, num_decodes=4) == pytest.approx(steps * 40 + 200 * 0.5)
+    assert budget.prompt_ms(200, num_decodes=4, beside_lane=True) == pytest.approx(1.5 * (steps * 40 + 200 * 0.5))
