@@ -23,41 +23,28 @@
 #include <immintrin.h>
 #endif
 
+#include "vec_math.h"
 
 namespace {
 
 constexpr int64_t kBlock = 32;
 
-// One register of floats (and of int32) at the machine's width. GCC lowers a vector wider than
-// the registers through the stack when a scalar multiplies it (16 stores to broadcast it), which
-// made the first version, written for 16 lanes, 3-7x slower than a float32 matmul on AVX2.
-#if defined(__AVX512F__)
-typedef float vf __attribute__((vector_size(64)));
-typedef int32_t vi __attribute__((vector_size(64)));
-#else
-typedef float vf __attribute__((vector_size(32)));
-typedef int32_t vi __attribute__((vector_size(32)));
-#endif
-constexpr int kLanes = sizeof(vf) / sizeof(float);
+// vreg: one register of floats at the machine's width (vec_math.h)
+typedef vreg vf;
+typedef vreg_i32 vi;
+constexpr int kLanes = kRegLanes;
 constexpr int kParts = kBlock / kLanes;  // registers a block of 32 fills: 2 (AVX-512) or 4
 
-#if defined(__AVX512F__)
-// rows of x per pass over kRows weight rows: 2 x 8 accumulators in 32 registers
+// rows of x per pass over kRows weight rows: AVX-512's 32 registers hold 2 x 8 accumulators,
+// AVX2's 16 hold 8, a block's 4 registers, x and the nibble mask
 constexpr int kGroup = 8;
+#if defined(__AVX512F__)
 constexpr int kRows = 2;
 #else
-// AVX2's 16 registers: 8 accumulators, a block's 4 registers, x and the nibble mask
-constexpr int kGroup = 8;
 constexpr int kRows = 1;
 #endif
 
 inline float as_half(float v) { return static_cast<float>(static_cast<c10::Half>(v)); }
-
-inline vf load_vf(const float* p) {
-  vf v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
 
 // kLanes bytes (unsigned, or signed) widened to kLanes int32 lanes: one vpmovzxbd / vpmovsxbd
 // (GCC's own conversion of a byte vector goes through scalar registers)
@@ -124,7 +111,7 @@ inline void dot_rows(const Row* row, const float* x, int64_t K, int64_t N, const
     const float* xj = x + j * kBlock;
     for (int b = 0; b < G; ++b) {
       for (int p = 0; p < kParts; ++p) {
-        const vf xp = load_vf(xj + b * K + p * kLanes);
+        const vf xp = load_vreg(xj + b * K + p * kLanes);
         for (int r = 0; r < R; ++r) acc[r][b] += w[r][p] * xp;
       }
     }

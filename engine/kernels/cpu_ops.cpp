@@ -119,14 +119,14 @@ inline void scale_mul_f32(float a, const float* w, float* y, int64_t n) {
 
 // g = silu(g) * u. silu(g) = g / (1 + e^-g) = g e^g / (1 + e^g): with e = exp(-|g|) <= 1
 // either form needs only exp_nonpositive, so the loop vectorises.
-// Sixteen lanes at a time in vector registers (the plain loop does not vectorise), the tail
+// A register of lanes at a time (the plain loop does not vectorise; vreg: vec_math.h), the tail
 // with the same steps one by one.
 inline void silu_mul_f32(const float* u, float* g, int64_t n) {
   int64_t i = 0;
-  for (; i + 16 <= n; i += 16) {
-    const vec16 x = load16(g + i);
-    const vec16 e = exp16_nonpositive(x < 0.f ? x : -x);
-    const vec16 y = x * (x >= 0.f ? 1.f : e) / (1.f + e) * load16(u + i);
+  for (; i + kRegLanes <= n; i += kRegLanes) {
+    const vreg x = load_vreg(g + i);
+    const vreg e = exp_nonpositive_lanes<vreg, vreg_i32>(x < 0.f ? x : -x);
+    const vreg y = x * (x >= 0.f ? 1.f : e) / (1.f + e) * load_vreg(u + i);
     std::memcpy(g + i, &y, sizeof(y));
   }
   for (; i < n; ++i) {
