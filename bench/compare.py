@@ -755,7 +755,8 @@ def _positive(text: str) -> bool:
 
 def colocated_variants(budgets: list[int], step_ms: list[str], lane_tokens: list[str] = (),
                        lane_wait_ms: list[str] = (), lane_policies: list[str] = (),
-                       lane_help_ms: list[str] = (), lane_ttft_ratios: list[str] = ()) -> list[tuple[str, list[str], str]]:
+                       lane_help_ms: list[str] = (),
+                       lane_ttft_ratios: list[str] = ()) -> list[tuple[str, list[str], str]]:
     """(name suffix, flags, description) of each colocated contender: one per token cap (chunked
     by tokens only), one per step target (``--max-step-ms``, a number or ``off``), one per
     prefill-lane threshold (``--prefill-lane-min-tokens``, a number or ``off``), one per bound

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import threading
 import time
 from dataclasses import dataclass, replace
@@ -72,6 +73,10 @@ class WorkerActor:
     def pid(self) -> int:
         return os.getpid()
 
+    def process(self) -> tuple[int, str]:
+        """This actor's process id and its Ray node's id (``worker_processes``)."""
+        return os.getpid(), ray.get_runtime_context().get_node_id()
+
     def _end_when_orphaned(self, timeout_s: float, drain_s: float = 30.0) -> None:
         """Once no router has called for ``timeout_s`` (its Stats polls come twice a second):
         finish what runs (``drain_s`` at most), stop, and end this actor for good."""
@@ -111,6 +116,56 @@ class WorkerHandle:
         """After a restart: wait for the actor to be ready again and take its new address."""
         self.address = _wait_ready(self.role, self.actor, timeout_s)
         return self.address
+
+
+def worker_processes(handles: list[WorkerHandle], timeout_s: float = 2.0) -> list[int]:
+    """The process ids of the actors behind ``handles`` that run on this node, asked of all at
+    once within ``timeout_s`` (one that does not answer in time is left out), for ``reap``."""
+    if not handles:
+        return []
+    node = ray.get_runtime_context().get_node_id()
+    refs = [handle.actor.process.remote() for handle in handles]
+    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+    pids = []
+    for ref in ready:
+        try:
+            pid, where = ray.get(ref, timeout=0)
+        except Exception:  # the actor died or restarted meanwhile: nothing of it to reap
+            continue
+        if where == node:
+            pids.append(pid)
+    return pids
+
+
+def reap(pids: list[int], timeout_s: float = 10.0) -> list[int]:
+    """Wait, ``timeout_s`` at most, until each of ``pids`` (worker actors' processes on this
+    node, from ``worker_processes``) has ended after its actor was killed, then SIGKILL those
+    still running a Ray worker; the ids killed. Ray marks a killed actor dead without checking
+    that its process ended (ray-project/ray#52322), and such a process, left behind by a
+    stopped ``tandem serve``, kept computing beside later benchmarks."""
+    deadline = time.monotonic() + timeout_s
+    alive = [pid for pid in pids if _runs_ray_worker(pid)]
+    while alive and time.monotonic() < deadline:
+        time.sleep(0.1)
+        alive = [pid for pid in alive if _runs_ray_worker(pid)]
+    killed = []
+    for pid in alive:
+        try:
+            os.kill(pid, signal.SIGKILL)
+            killed.append(pid)
+        except ProcessLookupError:
+            pass
+    return killed
+
+
+def _runs_ray_worker(pid: int) -> bool:
+    """Process ``pid`` exists and runs a Ray worker (its title, ``ray::...``, is its command line;
+    an ended process not yet waited for has none), so that a reused id is never killed."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
+            return cmdline.read().startswith(b"ray::")
+    except OSError:
+        return False
 
 
 def init_ray(attempts: int = 3, **kwargs) -> None:

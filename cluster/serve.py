@@ -149,8 +149,8 @@ class ServeCluster:
                             "if it costs them less there than in the steps (policy cost)"}
             when = when.get(config.prefill_lane_policy, "")
             if when and config.prefill_lane_ttft_ratio is not None:
-                when += (f", and if it gives the first token within {config.prefill_lane_ttft_ratio:g}x the steps' time "
-                         "(as measured)")
+                when += (f", and if it gives the first token within {config.prefill_lane_ttft_ratio:g}x the "
+                         "steps' time (as measured)")
             helps = ("" if config.prefill_lane_help_ms is None else
                      f"; the decoding thread reads layers of a {SPLIT_MIN_TOKENS}+ token prompt's second half beside "
                      f"it while a step and a layer take at most {config.prefill_lane_help_ms:g} ms")
@@ -275,7 +275,11 @@ class ServeCluster:
 
     def stop(self) -> None:
         """Every actor this command started, the Ray it started and its private Redis."""
+        pids = []
         if self._ray is not None:
+            from cluster.actors import worker_processes
+
+            pids = worker_processes(list(self.handles.values())) if self._ray.is_initialized() else []
             for handle in self.handles.values():
                 self._ray.kill(handle.actor, no_restart=True)
             self.handles.clear()
@@ -286,9 +290,19 @@ class ServeCluster:
                 detached.delete_record(self.namespace)
             if self._started_ray:
                 self._ray.shutdown()
+        _reap(pids)
         if self._private_redis is not None:
             self._private_redis.close()
         say("stopped")
+
+
+def _reap(pids: list[int]) -> None:
+    """The killed workers' processes on this node end, by SIGKILL where Ray's kill left them."""
+    from cluster.actors import reap
+
+    killed = reap(pids)
+    if killed:
+        say(f"worker process(es) {', '.join(map(str, killed))} outlived their actors' kill: sent SIGKILL")
 
 
 class WorkerLauncher:
@@ -337,13 +351,17 @@ class WorkerLauncher:
     def stop(self, address: str, timeout_s: float = 30.0) -> None:
         import ray
 
+        from cluster.actors import worker_processes
+
         handle = self.handles[address]
         try:
             ray.get(handle.actor.stop.remote(), timeout=timeout_s)
         except Exception as exc:  # it is killed next either way
             say(f"{handle.role} worker {handle.address} did not stop cleanly: {exc}")
+        pids = worker_processes([handle])
         ray.kill(handle.actor, no_restart=True)
         del self.handles[address]
+        _reap(pids)
 
     def launch(self, counts: Mapping[Role, int]) -> None:
         """Bring the pools up to ``counts`` (workers attached to count), starting the rest in

@@ -560,6 +560,12 @@ def test_contenders_are_chosen_by_name_and_vllm_runs_as_a_module(tmp_path):
     for bad in ("0", "-1", "soon"):
         with pytest.raises(ValueError, match="--colocated-lane-help-ms"):
             default_contenders("m", "/weights", "float32", [], ["colocated"], colocated_lane_help_ms=[bad])
+    ratios = default_contenders("m", "/weights", "float32", [], ["colocated"], colocated_lane_ttft_ratios=["1.2", "off"])
+    assert [c.name for c in ratios] == ["colocated-ttft1.2", "colocated-ttftoff"]
+    assert [c.command[-2:] for c in ratios] == [["--prefill-lane-ttft-ratio", v] for v in ("1.2", "off")]
+    for bad in ("0", "-1", "soon"):
+        with pytest.raises(ValueError, match="--colocated-lane-ttft-ratio"):
+            default_contenders("m", "/weights", "float32", [], ["colocated"], colocated_lane_ttft_ratios=[bad])
     with pytest.raises(ValueError, match="--vllm-python"):
         default_contenders("m", "/weights", "float32", [], ["vllm"])
     with pytest.raises(ValueError, match="unknown contenders"):

@@ -102,6 +102,13 @@ def test_the_prefill_lane_policy_flag_reaches_the_engine():
     for bad in ("0", "-5", "nan", "fast"):
         with pytest.raises(SystemExit):
             config_of(["--prefill-lane-help-ms", bad])
+    cluster.config = config_of(["--prefill-lane-ttft-ratio", "1.5"])
+    assert cluster.engine_args().prefill_lane_ttft_ratio == 1.5
+    assert config_of([]).prefill_lane_ttft_ratio is None
+    assert config_of(["--prefill-lane-ttft-ratio", "off"]).prefill_lane_ttft_ratio is None
+    for bad in ("0", "-1", "nan", "inf", "soon"):
+        with pytest.raises(SystemExit):
+            config_of(["--prefill-lane-ttft-ratio", bad])
 
 
 def test_enforce_eager_reaches_the_engine():
