@@ -930,9 +930,27 @@ def add_compare_args(compare, default_model: str) -> None:
     compare.add_argument("--out-dir", default="bench-results", help="compare.json and the PNG plots")
 
 
+def stray_ray_workers() -> list[int]:
+    """Ray worker processes (titled ``ray::...``) already running on this machine: left by a
+    server that was stopped or killed (ray-project/ray#52322), or someone else's. Whatever CPU
+    they take, a benchmark would count against the contenders."""
+    import psutil
+
+    pids = []
+    for process in psutil.process_iter(["cmdline", "status"]):
+        cmdline = process.info["cmdline"] or ()
+        if cmdline and cmdline[0].startswith("ray::") and process.info["status"] != psutil.STATUS_ZOMBIE:
+            pids.append(process.pid)
+    return pids
+
+
 def run_compare(args) -> int:
     from engine.model_info import load_model_info
 
+    if strays := stray_ray_workers():
+        print(f"warning: Ray worker processes already run on this machine (pids {', '.join(map(str, strays))}); "
+              "they take CPU time from every contender measured here (end them first: kill -9 PID)",
+              file=sys.stderr, flush=True)
     hf_dir = str(load_model_info(args.model).model_dir)
     rates = [float(r) for r in args.sweep.split(",")]
     spec = RandomSpec(args.random_input_len, args.random_output_len, args.random_range_ratio, args.random_prefix_len)

@@ -560,7 +560,8 @@ def test_contenders_are_chosen_by_name_and_vllm_runs_as_a_module(tmp_path):
     for bad in ("0", "-1", "soon"):
         with pytest.raises(ValueError, match="--colocated-lane-help-ms"):
             default_contenders("m", "/weights", "float32", [], ["colocated"], colocated_lane_help_ms=[bad])
-    ratios = default_contenders("m", "/weights", "float32", [], ["colocated"], colocated_lane_ttft_ratios=["1.2", "off"])
+    ratios = default_contenders("m", "/weights", "float32", [], ["colocated"],
+                                colocated_lane_ttft_ratios=["1.2", "off"])
     assert [c.name for c in ratios] == ["colocated-ttft1.2", "colocated-ttftoff"]
     assert [c.command[-2:] for c in ratios] == [["--prefill-lane-ttft-ratio", v] for v in ("1.2", "off")]
     for bad in ("0", "-1", "soon"):
@@ -754,3 +755,19 @@ def test_a_capacity_search_with_sets_passes_a_rate_on_all_its_sets_together(scri
     rendered = capacity_table(result)
     assert "| b | 2 | 4 | 4 (3/4), 2 (4/4) | 4/4 |" in rendered
     assert "| a | 4 | 8 | 4 (4/4), 8 (2/4) | 4/4 |" in rendered
+
+
+def test_a_stray_ray_worker_is_named_before_a_benchmark_measures():
+    from bench.compare import stray_ray_workers
+    from tests.cluster.test_reap import titled
+
+    stray, other = titled("ray::WorkerActor", 600), titled("sleep", 600)
+    try:
+        assert stray.pid in stray_ray_workers() and other.pid not in stray_ray_workers()
+        stray.kill()
+        stray.wait()
+        assert stray.pid not in stray_ray_workers()
+    finally:
+        for process in (stray, other):
+            process.kill()
+            process.wait()
