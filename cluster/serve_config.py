@@ -76,22 +76,23 @@ def _pace_ms(value: str) -> float:
     return number
 
 
-def _help_ms(value: str) -> float | None:
-    if value.strip().lower() in ("off", "none"):
-        return None
-    number = float(value)
-    if not 0 < number < float("inf"):  # NaN fails too
-        raise argparse.ArgumentTypeError(f"--prefill-lane-help-ms must be a number of ms > 0 or 'off', got {value!r}")
-    return number
+def _positive_or_off(flag: str, what: str) -> Callable[[str], float | None]:
+    """A parser for ``flag``: a number > 0 (finite), or 'off' / 'none' for None."""
+
+    def parse(value: str) -> float | None:
+        if value.strip().lower() in ("off", "none"):
+            return None
+        number = float(value)
+        if not 0 < number < float("inf"):  # NaN fails too
+            raise argparse.ArgumentTypeError(f"{flag} must be {what} > 0 or 'off', got {value!r}")
+        return number
+
+    parse.__name__ = "number"  # argparse: "invalid number value: ..."
+    return parse
 
 
-def _ttft_ratio(value: str) -> float | None:
-    if value.strip().lower() in ("off", "none"):
-        return None
-    number = float(value)
-    if not 0 < number < float("inf"):  # NaN fails too
-        raise argparse.ArgumentTypeError(f"--prefill-lane-ttft-ratio must be a number > 0 or 'off', got {value!r}")
-    return number
+_help_ms = _positive_or_off("--prefill-lane-help-ms", "a number of ms")
+_ttft_ratio = _positive_or_off("--prefill-lane-ttft-ratio", "a number")
 
 
 def _step_ms(value: str) -> float | None:

@@ -113,8 +113,10 @@ class StepBudget:
         prompt tokens beside decodes has been timed."""
         tradeoff = self.tradeoff
         per_token = tradeoff.step_ms_per_token or self.ms_per_prompt_token
-        if per_token is None or num_tokens <= 0:
-            return None if per_token is None else 0.0
+        if per_token is None:
+            return None
+        if num_tokens <= 0:
+            return 0.0
         decode_ms = (tradeoff.decode_ms_apart or self.decode_ms or 0.0) if num_decodes else 0.0
         steps = -(-num_tokens // self.prompt_tokens(num_decodes))
         ms = steps * decode_ms + num_tokens * per_token

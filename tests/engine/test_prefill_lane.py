@@ -899,6 +899,22 @@ class SetTradeoff:
         return self.lane
 
 
+def add_and_check_where_it_went(core, step, tokens: dict[str, list[int]], name: str, prompt: list[int],
+                                to_lane: bool) -> None:
+    """Add ``name``, step once, check that the lane took it (or the steps read it) as
+    ``to_lane`` says, then step until the lane is idle for the next case; the two streams of
+    200 tokens are still decoding."""
+    core.add_request(core.make_request(name, prompt, GREEDY))
+    step()
+    assert core.lane.pending == ([name] if to_lane else []), name
+    assert (core.scheduler.requests[name].num_computed_tokens > 0) is not to_lane, name
+    deadline = time.monotonic() + 60
+    while core.lane.busy:
+        assert time.monotonic() < deadline
+        step()
+    assert core.scheduler.running and all(len(tokens[s]) < 200 for s in ("s0", "s1"))
+
+
 def test_the_cost_policy_gives_the_lane_a_prompt_only_when_it_costs_the_streams_less(tiny_llama_dir):
     core = build(tiny_llama_dir, LANE_MIN, max_model_len=512, prefill_lane_policy="cost", prefill_lane_pace_ms=60.0)
     seen = wrap_lane(core)
@@ -923,15 +939,7 @@ def test_the_cost_policy_gives_the_lane_a_prompt_only_when_it_costs_the_streams_
             pace.value, costs.lane, costs.step_ms_per_token = pace_ms, lane_ms, steps_ms
             costs.beside_at = None if lane_age is None else now - lane_age
             costs.prompt_apart_at = None if steps_age is None else now - steps_age
-            core.add_request(core.make_request(name, prompts[name], GREEDY))
-            step()
-            assert core.lane.pending == ([name] if to_lane else []), name
-            assert (core.scheduler.requests[name].num_computed_tokens > 0) is not to_lane, name
-            deadline = time.monotonic() + 60
-            while core.lane.busy:  # the next case starts with the lane idle
-                assert time.monotonic() < deadline
-                step()
-            assert core.scheduler.running and all(len(tokens[s]) < 200 for s in ("s0", "s1"))  # still decoding
+            add_and_check_where_it_went(core, step, tokens, name, prompts[name], to_lane)
         drain(core, step)
     finally:
         core.close()
@@ -980,15 +988,7 @@ def test_a_ttft_ratio_gives_the_lane_a_prompt_only_when_it_answers_about_as_soon
             core.lane.ms_per_token = lane_ms_per_token
             if name == "ahead":
                 budget.prompt_tokens = lambda num_decodes: 16
-            core.add_request(core.make_request(name, prompts[name], GREEDY))
-            step()
-            assert core.lane.pending == ([name] if to_lane else []), name
-            assert (core.scheduler.requests[name].num_computed_tokens > 0) is not to_lane, name
-            deadline = time.monotonic() + 60
-            while core.lane.busy:  # the next case starts with the lane idle
-                assert time.monotonic() < deadline
-                step()
-            assert core.scheduler.running and all(len(tokens[s]) < 200 for s in ("s0", "s1"))  # still decoding
+            add_and_check_where_it_went(core, step, tokens, name, prompts[name], to_lane)
         drain(core, step)
     finally:
         core.close()
