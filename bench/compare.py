@@ -931,17 +931,12 @@ def add_compare_args(compare, default_model: str) -> None:
 
 
 def stray_ray_workers() -> list[int]:
-    """Ray worker processes (titled ``ray::...``) already running on this machine: left by a
-    server that was stopped or killed (ray-project/ray#52322), or someone else's. Whatever CPU
-    they take, a benchmark would count against the contenders."""
-    import psutil
+    """Ray worker processes already running on this machine: left by a server that was stopped
+    or killed (ray-project/ray#52322), or someone else's. Whatever CPU they take, a benchmark
+    would count against the contenders."""
+    from cluster.ray_processes import ray_worker_pids
 
-    pids = []
-    for process in psutil.process_iter(["cmdline", "status"]):
-        cmdline = process.info["cmdline"] or ()
-        if cmdline and cmdline[0].startswith("ray::") and process.info["status"] != psutil.STATUS_ZOMBIE:
-            pids.append(process.pid)
-    return pids
+    return ray_worker_pids()
 
 
 def run_compare(args) -> int:

@@ -198,17 +198,9 @@ class RayHead:
 
     def actor_pids(self, actor: str = "WorkerActor") -> set[int]:
         """The pids of this head's live actors of one class (Ray titles them ``ray::Class``)."""
-        import psutil
+        from cluster.ray_processes import ray_worker_pids
 
-        pids = set()
-        for process in self.processes():
-            try:
-                title = process.cmdline()
-            except psutil.NoSuchProcess:
-                continue
-            if title and title[0].startswith(f"ray::{actor}") and process.status() != psutil.STATUS_ZOMBIE:
-                pids.add(process.pid)
-        return pids
+        return set(ray_worker_pids(actor, among=(process.pid for process in self.processes())))
 
     def stop(self) -> None:
         import shutil

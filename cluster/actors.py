@@ -25,6 +25,7 @@ from dataclasses import dataclass, replace
 import ray
 from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError
 
+from cluster.ray_processes import runs_ray_worker
 from decode_worker.worker import DecodeWorker, DecodeWorkerConfig
 from prefill_worker.worker import PrefillWorker, PrefillWorkerConfig
 from proto import worker_pb2 as pb
@@ -144,10 +145,10 @@ def reap(pids: list[int], timeout_s: float = 10.0) -> list[int]:
     that its process ended (ray-project/ray#52322), and such a process, left behind by a
     stopped ``tandem serve``, kept computing beside later benchmarks."""
     deadline = time.monotonic() + timeout_s
-    alive = [pid for pid in pids if _runs_ray_worker(pid)]
+    alive = [pid for pid in pids if runs_ray_worker(pid)]
     while alive and time.monotonic() < deadline:
         time.sleep(0.1)
-        alive = [pid for pid in alive if _runs_ray_worker(pid)]
+        alive = [pid for pid in alive if runs_ray_worker(pid)]
     killed = []
     for pid in alive:
         try:
@@ -156,16 +157,6 @@ def reap(pids: list[int], timeout_s: float = 10.0) -> list[int]:
         except ProcessLookupError:
             pass
     return killed
-
-
-def _runs_ray_worker(pid: int) -> bool:
-    """Process ``pid`` exists and runs a Ray worker (its title, ``ray::...``, is its command line;
-    an ended process not yet waited for has none), so that a reused id is never killed."""
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
-            return cmdline.read().startswith(b"ray::")
-    except OSError:
-        return False
 
 
 def init_ray(attempts: int = 3, **kwargs) -> None:
