@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine import envs
 from engine.attention import make_attention_backend
 from engine.config import EngineConfig
 from engine.decode_graphs import DecodeGraphs, wants_decode_graphs
@@ -37,6 +38,7 @@ from engine.sampling_params import InvalidParam, SamplingParams
 from engine.scheduler import Scheduler, TokenUpdate
 from engine.scheduler_types import SampledToken, TokenLogprobs
 from engine.step_budget import StepShape, moving_average
+from engine.step_log import StepLog
 
 
 def _outside_vocab(ids, vocab: int) -> list:
@@ -146,6 +148,7 @@ class EngineCore:
         self.lane: PrefillLane | None = None
         self._last_step_ms = 0.0  # the last forward's time (``_help_beside``)
         self._help_ms_per_token: float | None = None  # this thread's ms per token of a lane layer it read beside
+        self.step_log = StepLog(path) if (path := envs.step_log_path()) else None  # TANDEM_STEP_LOG
         if config.scheduler.prefill_lane_min_tokens is not None and device.type == "cpu" and self.num_threads >= 2:
             self.lane = PrefillLane(ModelRunner(self.model, self.kv_cache, backend))
             self.scheduler.lane = self.lane
@@ -390,6 +393,11 @@ class EngineCore:
         self.scheduler.step_budget.observe(StepShape(
             scheduled.num_decodes, scheduled.num_batched_tokens - scheduled.num_decodes, elapsed_s,
             ended_at=ended_at, lane_share=min(1.0, lane_share)))
+        if self.step_log is not None:
+            self.step_log.step(start=ended_at - elapsed_s, end=ended_at, decodes=scheduled.num_decodes,
+                               prompt_tokens=scheduled.num_batched_tokens - scheduled.num_decodes,
+                               lane_share=min(1.0, lane_share), waiting=len(self.scheduler.waiting),
+                               in_lane=self.num_in_lane())
         updates = self.scheduler.update_from_output(scheduled, runner_output)
         failed_outputs += [self._fail(self.scheduler.requests[request_id], message)
                            for request_id, message in runner_output.failed.items()
@@ -465,6 +473,9 @@ class EngineCore:
         request_id = result.seq.request_id
         self.kv_manager.unpin(request_id)
         self.counters.lane_busy_s += result.elapsed_s  # aborted meanwhile or not
+        if self.step_log is not None:
+            self.step_log.lane(end=result.started + result.elapsed_s, elapsed_s=result.elapsed_s,
+                               tokens=len(result.seq.token_ids))
         request = self.scheduler.waiting_for_remote_kv.get(request_id)
         if request is None:
             return []  # aborted while the lane ran
@@ -484,6 +495,8 @@ class EngineCore:
         """Stop the lane's thread (the engine itself holds no other)."""
         if self.lane is not None:
             self.lane.stop()
+        if self.step_log is not None:
+            self.step_log.close()
 
     def _count_prompt_tokens(self, scheduled) -> None:
         for seq in scheduled.seqs:

@@ -27,3 +27,10 @@ def exact_blocks_disabled() -> bool:
     """``TANDEM_EXACT_BLOCKS=0`` keeps float32 weights that are exact 4/8-bit blocks as float32
     (engine/kernels/block_linear.py), for comparisons."""
     return os.environ.get("TANDEM_EXACT_BLOCKS") == "0"
+
+
+def step_log_path() -> str | None:
+    """``TANDEM_STEP_LOG=PATH``: every engine in this process writes a JSON line per step and per
+    prompt the prefill lane finished to PATH (``{pid}`` in it: the process id), to see where a
+    served step's time goes (engine/step_log.py). Unset: no log."""
+    return os.environ.get("TANDEM_STEP_LOG") or None

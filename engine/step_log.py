@@ -1,0 +1,96 @@
+"""A JSON line per engine step, for finding where a served step's time goes
+(``TANDEM_STEP_LOG``, engine/envs.py). Off unless that is set; each line is written whole, with
+the file line-buffered, so a worker killed mid-run leaves every step it finished.
+
+Step lines: ``{"kind": "step", "end": monotonic s, "ms": the forward and sampling, "gap_ms":
+from the previous step's end to this one's start, "decodes": sequences fed one token,
+"prompt_tokens": the others' tokens, "lane_share": the share of the step the lane computed
+beside it, "waiting": requests waiting for a step, "in_lane": prompts the lane holds}``.
+Lane lines: ``{"kind": "lane", "end", "ms": the prompt's time in the lane, "tokens": its
+length}``. ``summarise`` groups a log's steps by batch size."""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+from collections import defaultdict
+from pathlib import Path
+
+
+class StepLog:
+    def __init__(self, path: str) -> None:
+        self.path = Path(path.replace("{pid}", str(os.getpid())))
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = open(self.path, "a", buffering=1, encoding="utf-8")  # noqa: SIM115 (open for the engine's life)
+        self._last_end: float | None = None
+
+    def step(self, *, start: float, end: float, decodes: int, prompt_tokens: int, lane_share: float,
+             waiting: int, in_lane: int) -> None:
+        gap_ms = None if self._last_end is None else round((start - self._last_end) * 1000.0, 3)
+        self._last_end = end
+        self._write({"kind": "step", "end": round(end, 6), "ms": round((end - start) * 1000.0, 3), "gap_ms": gap_ms,
+                     "decodes": decodes, "prompt_tokens": prompt_tokens, "lane_share": round(lane_share, 3),
+                     "waiting": waiting, "in_lane": in_lane})
+
+    def lane(self, *, end: float, elapsed_s: float, tokens: int) -> None:
+        self._write({"kind": "lane", "end": round(end, 6), "ms": round(elapsed_s * 1000.0, 3), "tokens": tokens})
+
+    def _write(self, record: dict) -> None:
+        self._file.write(json.dumps(record, separators=(",", ":")) + "\n")
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def summarise(path: str | Path, bucket: int = 10) -> list[dict]:
+    """A log's steps by batch size (decodes, in buckets of ``bucket``), apart for steps with
+    prompt tokens and for steps the lane computed beside: count, median ms, and for steps with
+    prompt tokens the median ms per prompt token over the bucket's median step without any."""
+    groups: dict[tuple, list[dict]] = defaultdict(list)
+    for line in Path(path).read_text(encoding="utf-8").splitlines():
+        record = json.loads(line)
+        if record["kind"] == "step":
+            key = (record["decodes"] // bucket, record["prompt_tokens"] > 0, record["lane_share"] > 0.5)
+            groups[key].append(record)
+    plain = {key[0]: statistics.median(r["ms"] for r in steps) for key, steps in groups.items()
+             if not key[1] and not key[2]}
+    rows = []
+    for (band, with_prompt, beside_lane), steps in sorted(groups.items()):
+        row = {"decodes": f"{band * bucket}-{band * bucket + bucket - 1}", "prompt": with_prompt,
+               "beside_lane": beside_lane, "steps": len(steps), "median_ms": round(statistics.median(r["ms"] for r in steps), 1)}
+        if with_prompt and band in plain:
+            row["ms_per_prompt_token"] = round(statistics.median(
+                (r["ms"] - plain[band]) / r["prompt_tokens"] for r in steps), 3)
+        rows.append(row)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m engine.step_log LOG``: the summary as a markdown table, and the lane's prompts."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m engine.step_log", description=summarise.__doc__)
+    parser.add_argument("log")
+    parser.add_argument("--bucket", type=int, default=10, help="decodes per row")
+    args = parser.parse_args(argv)
+    rows = summarise(args.log, args.bucket)
+    print("| decodes | with prompt tokens | beside the lane | steps | median ms | ms per prompt token |")
+    print("|---|---|---|---|---|---|")
+    for row in rows:
+        print(f"| {row['decodes']} | {'yes' if row['prompt'] else 'no'} | {'yes' if row['beside_lane'] else 'no'} "
+              f"| {row['steps']} | {row['median_ms']} | {row.get('ms_per_prompt_token', '-')} |")
+    records = [json.loads(line) for line in Path(args.log).read_text(encoding="utf-8").splitlines()]
+    steps = [r for r in records if r["kind"] == "step"]
+    lane = [r for r in records if r["kind"] == "lane"]
+    gaps = [r["gap_ms"] for r in steps if r["gap_ms"] is not None]
+    if gaps:
+        print(f"\n{len(steps)} steps; between steps: median {statistics.median(gaps):.2f} ms, "
+              f"mean {statistics.fmean(gaps):.2f} ms")
+    if lane:
+        print(f"lane: {len(lane)} prompts, median {statistics.median(r['ms'] for r in lane):.0f} ms, "
+              f"{statistics.median(r['ms'] / r['tokens'] for r in lane):.2f} ms a token")
+
+
+if __name__ == "__main__":
+    main()
