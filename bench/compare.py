@@ -47,6 +47,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import shlex
 import shutil
 import statistics
 import sys
@@ -755,8 +756,8 @@ def _positive(text: str) -> bool:
 
 def colocated_variants(budgets: list[int], step_ms: list[str], lane_tokens: list[str] = (),
                        lane_wait_ms: list[str] = (), lane_policies: list[str] = (),
-                       lane_help_ms: list[str] = (),
-                       lane_ttft_ratios: list[str] = ()) -> list[tuple[str, list[str], str]]:
+                       lane_help_ms: list[str] = (), lane_ttft_ratios: list[str] = (),
+                       flag_sets: list[str] = ()) -> list[tuple[str, list[str], str]]:
     """(name suffix, flags, description) of each colocated contender: one per token cap (chunked
     by tokens only), one per step target (``--max-step-ms``, a number or ``off``), one per
     prefill-lane threshold (``--prefill-lane-min-tokens``, a number or ``off``), one per bound
@@ -764,7 +765,8 @@ def colocated_variants(budgets: list[int], step_ms: list[str], lane_tokens: list
     one per lane policy (``--prefill-lane-policy``), one per bound on a step and a layer within
     which the engine thread helps the lane (``--prefill-lane-help-ms``, a number or ``off``), one
     per bound on the lane's TTFT against the steps' (``--prefill-lane-ttft-ratio``, a number or
-    ``off``); tandem's defaults when none is given."""
+    ``off``), one per set of any other `tandem serve` flags (``--colocated-flags``, e.g.
+    ``--block-size 64``); tandem's defaults when none is given."""
     variants = [(f"-{budget}", ["--max-num-batched-tokens", str(budget), "--max-step-ms", "off"],
                  f"chunked prefill {budget} tokens per step") for budget in budgets]
     for target in step_ms:
@@ -806,6 +808,14 @@ def colocated_variants(budgets: list[int], step_ms: list[str], lane_tokens: list
         variants.append((f"-ttft{ratio}", ["--prefill-lane-ttft-ratio", ratio],
                          "the prefill lane takes what its policy sends it" if ratio == "off"
                          else f"the prefill lane takes a prompt only if it is done within {ratio}x the steps' time"))
+    for flag_set in flag_sets:
+        flags = shlex.split(flag_set)
+        if not flags or not flags[0].startswith("--"):
+            raise ValueError(f"--colocated-flags takes sets of tandem serve flags, got {flag_set!r}")
+        # '--block-size 64 --max-step-ms 300' -> '-block-size64-max-step-ms300'
+        suffix = "".join("-" + flag[2:] if flag.startswith("--") else flag for flag in flags)
+        suffix = "".join(ch for ch in suffix if ch.isalnum() or ch in "-.")
+        variants.append((suffix, flags, f"serve flags {' '.join(flags)}"))
     return variants or [("", [], "its defaults")]
 
 
@@ -815,7 +825,8 @@ def default_contenders(model: str, hf_dir: str, dtype: str, colocated_budgets: l
                        colocated_lane_wait_ms: list[str] | None = None,
                        colocated_lane_policies: list[str] | None = None,
                        colocated_lane_help_ms: list[str] | None = None,
-                       colocated_lane_ttft_ratios: list[str] | None = None) -> list[Contender]:
+                       colocated_lane_ttft_ratios: list[str] | None = None,
+                       colocated_flag_sets: list[str] | None = None) -> list[Contender]:
     unknown = [n for n in names if n not in CONTENDERS]
     if unknown:
         raise ValueError(f"unknown contenders {unknown} (choose from {', '.join(CONTENDERS)})")
@@ -832,7 +843,7 @@ def default_contenders(model: str, hf_dir: str, dtype: str, colocated_budgets: l
             for suffix, flags, what in colocated_variants(colocated_budgets, colocated_step_ms or [],
                                                           colocated_lane_tokens or [], colocated_lane_wait_ms or [],
                                                           colocated_lane_policies or [], colocated_lane_help_ms or [],
-                                                          colocated_lane_ttft_ratios or []):
+                                                          colocated_lane_ttft_ratios or [], colocated_flag_sets or []):
                 flags = ["--mode", "colocated", "--decode-workers", "1", "--worker-threads", "2", *flags]
                 contenders.append(tandem_contender(f"colocated{suffix}", model, dtype, flags,
                                                    f"tandem serve --mode colocated: 1 worker, 2 threads, {what}"))
@@ -915,6 +926,9 @@ def add_compare_args(compare, default_model: str) -> None:
                          help="comma-separated --prefill-lane-help-ms values (or off): one colocated contender each")
     compare.add_argument("--colocated-lane-ttft-ratio", default="",
                          help="comma-separated --prefill-lane-ttft-ratio values (or off): one colocated contender each")
+    compare.add_argument("--colocated-flags", default="", metavar="'FLAGS|FLAGS...'",
+                         help="'|'-separated sets of other tandem serve flags: one colocated contender each "
+                              "(e.g. '--block-size 16|--block-size 64')")
     compare.add_argument("--no-transformers", action="store_true", help="skip transformers serve")
     compare.add_argument("--traffic-mix", default=None, metavar="CLASS:SHARE,...",
                          help="traffic classes instead of a sweep: a baseline run of --traffic-baseline's requests "
@@ -970,8 +984,9 @@ def run_compare(args) -> int:
     policies = [t.strip() for t in args.colocated_lane_policy.split(",") if t.strip()]
     helps = [t.strip() for t in args.colocated_lane_help_ms.split(",") if t.strip()]
     ratios = [t.strip() for t in args.colocated_lane_ttft_ratio.split(",") if t.strip()]
+    flag_sets = [t.strip() for t in args.colocated_flags.split("|") if t.strip()]
     contenders = default_contenders(args.model, hf_dir, args.dtype, budgets, names, args.vllm_python, step_ms, lanes,
-                                    waits, policies, helps, ratios)
+                                    waits, policies, helps, ratios, flag_sets)
     calibration = make_dataset(args.dataset, 3, args.seed + 1000, spec)  # prompts of their own, same shape
     warm_up = make_dataset(args.dataset, args.warm_up, args.seed + 2000, spec)
     if args.repeat > 1 and not args.capacity:

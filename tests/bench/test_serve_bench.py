@@ -567,6 +567,14 @@ def test_contenders_are_chosen_by_name_and_vllm_runs_as_a_module(tmp_path):
     for bad in ("0", "-1", "soon"):
         with pytest.raises(ValueError, match="--colocated-lane-ttft-ratio"):
             default_contenders("m", "/weights", "float32", [], ["colocated"], colocated_lane_ttft_ratios=[bad])
+    sets = default_contenders("m", "/weights", "float32", [], ["colocated"],
+                              colocated_flag_sets=["--block-size 16", "--block-size 64 --max-step-ms 300"])
+    assert [c.name for c in sets] == ["colocated-block-size16", "colocated-block-size64-max-step-ms300"]
+    assert sets[0].command[-2:] == ["--block-size", "16"]
+    assert sets[1].command[-4:] == ["--block-size", "64", "--max-step-ms", "300"]
+    for bad in ("", "block-size 64"):
+        with pytest.raises(ValueError, match="--colocated-flags"):
+            default_contenders("m", "/weights", "float32", [], ["colocated"], colocated_flag_sets=[bad])
     with pytest.raises(ValueError, match="--vllm-python"):
         default_contenders("m", "/weights", "float32", [], ["vllm"])
     with pytest.raises(ValueError, match="unknown contenders"):
