@@ -58,7 +58,8 @@ def summarise(path: str | Path, bucket: int = 10) -> list[dict]:
     rows = []
     for (band, with_prompt, beside_lane), steps in sorted(groups.items()):
         row = {"decodes": f"{band * bucket}-{band * bucket + bucket - 1}", "prompt": with_prompt,
-               "beside_lane": beside_lane, "steps": len(steps), "median_ms": round(statistics.median(r["ms"] for r in steps), 1)}
+               "beside_lane": beside_lane, "steps": len(steps),
+               "median_ms": round(statistics.median(r["ms"] for r in steps), 1)}
         if with_prompt and band in plain:
             row["ms_per_prompt_token"] = round(statistics.median(
                 (r["ms"] - plain[band]) / r["prompt_tokens"] for r in steps), 3)

@@ -4,7 +4,13 @@ bfloat16 on CPU: decode-sized inputs (up to ``cpu_gemv.MAX_BATCH`` rows) go to t
 AVX-512 BF16 kernel (engine/kernels), which streams the weight near the memory bandwidth;
 larger inputs go to oneDNN with a weight packed once at load (torch's default bfloat16 path
 repacks the weight on every call). Both copies of the weight are kept, which costs one more
-copy of the weights in memory.
+copy of the weights in memory. oneDNN packs a weight for a batch size, and on a Xeon with AMX
+the copy packed for one row made products of 257 to ~350 rows as slow as 512 (1.42 against
+0.81 ms for SmolLM2's four matmuls of a layer at 272 rows; the same below 256 rows, and
+faster again from ~450 to 1024): that is where a step with a 250-token prompt and its decodes
+lands. Where a copy packed for ``BF16_MID_PACK_ROWS`` rows is measurably faster there
+(``onednn_bf16_mid_pack_faster``, timed once per process), the weight is packed that way too
+and serves rows in ``(BF16_MID_PACK_ROWS, BF16_MID_MAX_ROWS]``: a third copy in memory.
 
 float32 on CPU: a weight whose values are exact 4- or 8-bit blocks (a checkpoint dequantized
 from a GGUF, as the default model is) keeps those blocks too, and decode batches up to
@@ -44,6 +50,12 @@ SKINNY_MAX_ROWS = 4  # float32 rows up to which skinny_linear_f32 beats BLAS (me
 # oneDNN packs a float32 weight for a batch size; 16 was the fastest of 1/16/64 from 5 to 300
 # rows on SmolLM2's shapes (1 was up to 1.4x slower on the output head, 64 no faster)
 F32_PACK_ROWS = 16
+# bfloat16: the second oneDNN copy's batch size and the rows it serves (above the first number,
+# up to the second). On a 2-core Xeon with AMX (model 167), SmolLM2's four matmuls of a layer
+# at 256 / 272 / 300 / 350 / 400 / 450 / 512 rows: 0.80 / 1.42 / 1.41 / 1.38 / 1.42 / 1.47 /
+# 1.47 ms packed for one row, 0.81 / 0.81 / 0.95 / 1.19 / 1.38 / 1.53 / 1.73 packed for 256.
+BF16_MID_PACK_ROWS = 256
+BF16_MID_MAX_ROWS = 352
 
 
 @functools.cache
@@ -60,20 +72,42 @@ def onednn_f32_faster() -> bool:
     except RuntimeError:
         return False
 
-    def best_of(call) -> float:
-        call()
-        best = float("inf")
-        for _ in range(5):
-            start = time.perf_counter()
-            for _ in range(4):
-                call()
-            best = min(best, time.perf_counter() - start)
-        return best
-
     with torch.inference_mode():
-        blas = best_of(lambda: F.linear(x, weight))
-        onednn = best_of(lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""))
+        blas = _best_of(lambda: F.linear(x, weight))
+        onednn = _best_of(lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""))
     return onednn < 0.9 * blas
+
+
+def _best_of(call, repeats: int = 5, calls: int = 4) -> float:
+    call()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(calls):
+            call()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+@functools.cache
+def onednn_bf16_mid_pack_faster() -> bool:
+    """Whether a bfloat16 weight packed for ``BF16_MID_PACK_ROWS`` rows beats the one packed for
+    one row by at least 15% on products just above that many rows here (288 rows of SmolLM2's
+    largest matmul shape, 3072 x 576), timed once per process on this process's threads."""
+    if not can_pack(torch.bfloat16, torch.device("cpu")):
+        return False
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(3072, 576, generator=generator).to(torch.bfloat16)
+    x = torch.randn(BF16_MID_PACK_ROWS + 32, 576, generator=generator).to(torch.bfloat16)
+    try:
+        for_one = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
+        for_mid = torch.ops.mkldnn._reorder_linear_weight(weight, BF16_MID_PACK_ROWS)
+    except RuntimeError:
+        return False
+    with torch.inference_mode():
+        one = _best_of(lambda: torch.ops.mkldnn._linear_pointwise(x, for_one, None, "none", [], ""))
+        mid = _best_of(lambda: torch.ops.mkldnn._linear_pointwise(x, for_mid, None, "none", [], ""))
+    return mid < 0.85 * one
 
 
 def _onednn_bf16_cpu() -> bool:
@@ -98,6 +132,7 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self._packed: torch.Tensor | None = None  # oneDNN-packed copy of the weight
+        self._packed_mid: torch.Tensor | None = None  # bfloat16, packed for BF16_MID_PACK_ROWS rows (see above)
         self._gemv = None  # the native skinny-matmul module, when it serves this weight
         self._skinny = None  # cpu_ops, for float32 decode batches (skinny_linear_f32)
         self._blocks: block_linear.Blocks | None = None  # the weight's exact 4/8-bit blocks, for decode batches
@@ -116,6 +151,8 @@ class Linear(nn.Module):
         if self._packed is not None or not can_pack(self.weight.dtype, self.weight.device):
             return
         self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 1)
+        if onednn_bf16_mid_pack_faster():
+            self._packed_mid = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), BF16_MID_PACK_ROWS)
         self._gemv = cpu_gemv.load()
         if self._gemv is None:  # the plain copy is only needed by the native kernel
             self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype), requires_grad=False)
@@ -150,6 +187,8 @@ class Linear(nn.Module):
             return self._skinny.skinny_linear_f32(x.contiguous(), self.weight, self.bias)
         if self._native(x):
             return self._gemv.gemv_bf16(x.contiguous(), self.weight, self.bias)
+        if self._packed_mid is not None and BF16_MID_PACK_ROWS < x.shape[0] <= BF16_MID_MAX_ROWS:
+            return torch.ops.mkldnn._linear_pointwise(x, self._packed_mid, self.bias, "none", [], "")
         if self._packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)

@@ -49,7 +49,8 @@ def test_gemv_bf16_rejects_bad_shapes():
         module.gemv_bf16(torch.randn(9, 64).to(torch.bfloat16), torch.randn(8, 64).to(torch.bfloat16), None)
 
 
-def test_linear_dispatches_by_rows_and_agrees():
+def _bf16_layer() -> tuple[Linear, torch.Tensor, torch.Tensor]:
+    """A bfloat16 layer of random weights, packed, and its weight and bias as they were."""
     layer = Linear(576, 960, bias=True)
     with torch.no_grad():
         layer.weight.copy_(torch.randn(960, 576))
@@ -57,7 +58,44 @@ def test_linear_dispatches_by_rows_and_agrees():
     layer = layer.to(torch.bfloat16)
     w, b = layer.weight.detach().clone(), layer.bias.detach().clone()
     layer.pack()
+    return layer, w, b
+
+
+def test_linear_dispatches_by_rows_and_agrees():
+    layer, w, b = _bf16_layer()
     assert layer._gemv is not None and layer._packed is not None
     for rows in (1, cpu_gemv.MAX_BATCH, cpu_gemv.MAX_BATCH + 1, 64):  # native kernel, then oneDNN
         x = torch.randn(rows, 576).to(torch.bfloat16)
         torch.testing.assert_close(layer(x).float(), _reference(x, w, b), rtol=2**-7, atol=1e-2)
+
+
+@pytest.mark.parametrize("mid", [True, False])
+def test_bf16_rows_just_above_the_mid_pack_size_use_that_copy_where_it_was_measured_faster(monkeypatch, mid):
+    from engine.models import linear
+
+    monkeypatch.setattr(linear, "onednn_bf16_mid_pack_faster", lambda: mid)
+    layer, w, b = _bf16_layer()
+    assert (layer._packed_mid is not None) == mid
+    served = []
+    real = torch.ops.mkldnn._linear_pointwise
+
+    def spy(x, packed, *args):
+        served.append((x.shape[0], "mid" if packed is layer._packed_mid else "one" if packed is layer._packed else "?"))
+        return real(x, packed, *args)
+
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", spy)
+    edges = (linear.BF16_MID_PACK_ROWS, linear.BF16_MID_PACK_ROWS + 1, linear.BF16_MID_MAX_ROWS,
+             linear.BF16_MID_MAX_ROWS + 1)
+    for rows in edges:
+        x = torch.randn(rows, 576).to(torch.bfloat16)
+        torch.testing.assert_close(layer(x).float(), _reference(x, w, b), rtol=2**-7, atol=1e-2)
+    inside = "mid" if mid else "one"
+    assert served == [(edges[0], "one"), (edges[1], inside), (edges[2], inside), (edges[3], "one")]
+
+
+def test_the_mid_pack_choice_is_a_measurement_made_once():
+    from engine.models import linear
+
+    first = linear.onednn_bf16_mid_pack_faster()
+    assert isinstance(first, bool) and linear.onednn_bf16_mid_pack_faster() is first
+    assert linear.onednn_bf16_mid_pack_faster.cache_info().hits >= 1
