@@ -8,7 +8,7 @@ import sys
 import time
 
 BENCH_MODULES = ("bench.engine_bench", "bench.kv_transfer_bench", "bench.serve_cli", "bench.compare",
-                 "bench.served_bench", "bench.router_bench", "bench.routing_bench", "bench.chaos")
+                 "bench.served_bench", "bench.router_bench", "bench.routing_bench", "bench.chaos", "bench.steps")
 
 
 def _cmd_models_fetch(args: argparse.Namespace) -> int:

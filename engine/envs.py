@@ -32,5 +32,5 @@ def exact_blocks_disabled() -> bool:
 def step_log_path() -> str | None:
     """``TANDEM_STEP_LOG=PATH``: every engine in this process writes a JSON line per step and per
     prompt the prefill lane finished to PATH (``{pid}`` in it: the process id), to see where a
-    served step's time goes (engine/step_log.py). Unset: no log."""
+    served step's time goes (engine/step_log.py; `tandem bench steps LOG` summarises it). Unset: no log."""
     return os.environ.get("TANDEM_STEP_LOG") or None

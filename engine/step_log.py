@@ -7,7 +7,7 @@ from the previous step's end to this one's start, "decodes": sequences fed one t
 "prompt_tokens": the others' tokens, "lane_share": the share of the step the lane computed
 beside it, "waiting": requests waiting for a step, "in_lane": prompts the lane holds}``.
 Lane lines: ``{"kind": "lane", "end", "ms": the prompt's time in the lane, "tokens": its
-length}``. ``summarise`` groups a log's steps by batch size."""
+length}``. ``summarise`` groups a log's steps by batch size; ``tandem bench steps LOG`` prints it."""
 
 from __future__ import annotations
 
@@ -67,31 +67,22 @@ def summarise(path: str | Path, bucket: int = 10) -> list[dict]:
     return rows
 
 
-def main(argv: list[str] | None = None) -> None:
-    """``python -m engine.step_log LOG``: the summary as a markdown table, and the lane's prompts."""
-    import argparse
-
-    parser = argparse.ArgumentParser(prog="python -m engine.step_log", description=summarise.__doc__)
-    parser.add_argument("log")
-    parser.add_argument("--bucket", type=int, default=10, help="decodes per row")
-    args = parser.parse_args(argv)
-    rows = summarise(args.log, args.bucket)
-    print("| decodes | with prompt tokens | beside the lane | steps | median ms | ms per prompt token |")
-    print("|---|---|---|---|---|---|")
-    for row in rows:
-        print(f"| {row['decodes']} | {'yes' if row['prompt'] else 'no'} | {'yes' if row['beside_lane'] else 'no'} "
-              f"| {row['steps']} | {row['median_ms']} | {row.get('ms_per_prompt_token', '-')} |")
-    records = [json.loads(line) for line in Path(args.log).read_text(encoding="utf-8").splitlines()]
+def report(path: str | Path, bucket: int = 10) -> str:
+    """The summary as a markdown table, then the time between steps and the lane's prompts."""
+    lines = ["| decodes | with prompt tokens | beside the lane | steps | median ms | ms per prompt token |",
+             "|---|---|---|---|---|---|"]
+    for row in summarise(path, bucket):
+        lines.append(f"| {row['decodes']} | {'yes' if row['prompt'] else 'no'} | "
+                     f"{'yes' if row['beside_lane'] else 'no'} | {row['steps']} | {row['median_ms']} | "
+                     f"{row.get('ms_per_prompt_token', '-')} |")
+    records = [json.loads(line) for line in Path(path).read_text(encoding="utf-8").splitlines()]
     steps = [r for r in records if r["kind"] == "step"]
     lane = [r for r in records if r["kind"] == "lane"]
     gaps = [r["gap_ms"] for r in steps if r["gap_ms"] is not None]
     if gaps:
-        print(f"\n{len(steps)} steps; between steps: median {statistics.median(gaps):.2f} ms, "
-              f"mean {statistics.fmean(gaps):.2f} ms")
+        lines.append(f"\n{len(steps)} steps; between steps: median {statistics.median(gaps):.2f} ms, "
+                     f"mean {statistics.fmean(gaps):.2f} ms")
     if lane:
-        print(f"lane: {len(lane)} prompts, median {statistics.median(r['ms'] for r in lane):.0f} ms, "
-              f"{statistics.median(r['ms'] / r['tokens'] for r in lane):.2f} ms a token")
-
-
-if __name__ == "__main__":
-    main()
+        lines.append(f"lane: {len(lane)} prompts, median {statistics.median(r['ms'] for r in lane):.0f} ms, "
+                     f"{statistics.median(r['ms'] / r['tokens'] for r in lane):.2f} ms a token")
+    return "\n".join(lines)

@@ -6,8 +6,9 @@ from __future__ import annotations
 import json
 import os
 
+from cluster.cli import main
 from engine.sampling_params import SamplingParams
-from engine.step_log import main, summarise
+from engine.step_log import summarise
 from tests.engine.test_prefill_lane import LANE_MIN, build, long_prompt, run, start_streams
 
 MAX_TOKENS = 12
@@ -43,7 +44,7 @@ def test_the_step_log_counts_every_fed_token_once(tiny_llama_dir, tmp_path, monk
     rows = summarise(path)
     assert sum(row["steps"] for row in rows) == len(steps)
     assert {row["prompt"] for row in rows} == {True, False}
-    main([str(path)])
+    assert main(["bench", "steps", str(path)]) == 0
     printed = capsys.readouterr().out
     assert f"{len(steps)} steps" in printed and "lane: 1 prompts" in printed
 

@@ -1,0 +1,19 @@
+"""``tandem bench steps LOG``: where a served engine's step time went, from the log that
+``TANDEM_STEP_LOG`` makes it write (engine/step_log.py)."""
+
+from __future__ import annotations
+
+
+def run_steps(args) -> int:
+    from engine.step_log import report
+
+    print(report(args.log, args.bucket))
+    return 0
+
+
+def register(commands, default_model: str) -> None:
+    steps = commands.add_parser("steps", help="summarise a TANDEM_STEP_LOG file: step time by batch, "
+                                              "prompt tokens and the prefill lane")
+    steps.add_argument("log", help="a file written under TANDEM_STEP_LOG=PATH (PATH's {pid} filled in)")
+    steps.add_argument("--bucket", type=int, default=10, help="decodes per row of the table")
+    steps.set_defaults(func=run_steps)
