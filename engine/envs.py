@@ -34,3 +34,9 @@ def step_log_path() -> str | None:
     prompt the prefill lane finished to PATH (``{pid}`` in it: the process id), to see where a
     served step's time goes (engine/step_log.py; `tandem bench steps LOG` summarises it). Unset: no log."""
     return os.environ.get("TANDEM_STEP_LOG") or None
+
+
+def onednn_mid_pack_disabled() -> bool:
+    """``TANDEM_ONEDNN_MID_PACK=0`` serves every bfloat16 product above the native kernel's rows
+    with the weight packed for one row (engine/models/linear.py), for comparisons."""
+    return os.environ.get("TANDEM_ONEDNN_MID_PACK") == "0"

@@ -10,7 +10,8 @@ the copy packed for one row made products of 257 to ~350 rows as slow as 512 (1.
 faster again from ~450 to 1024): that is where a step with a 250-token prompt and its decodes
 lands. Where a copy packed for ``BF16_MID_PACK_ROWS`` rows is measurably faster there
 (``onednn_bf16_mid_pack_faster``, timed once per process), the weight is packed that way too
-and serves rows in ``(BF16_MID_PACK_ROWS, BF16_MID_MAX_ROWS]``: a third copy in memory.
+and serves rows in ``(BF16_MID_PACK_ROWS, BF16_MID_MAX_ROWS]``: a third copy in memory
+(``TANDEM_ONEDNN_MID_PACK=0``: never, for comparisons).
 
 float32 on CPU: a weight whose values are exact 4- or 8-bit blocks (a checkpoint dequantized
 from a GGUF, as the default model is) keeps those blocks too, and decode batches up to
@@ -36,6 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine import envs
 from engine.kernels import block_linear, cpu_gemv, cpu_ops
 from engine.kernels.build import cpu_flags
 
@@ -94,7 +96,7 @@ def onednn_bf16_mid_pack_faster() -> bool:
     """Whether a bfloat16 weight packed for ``BF16_MID_PACK_ROWS`` rows beats the one packed for
     one row by at least 15% on products just above that many rows here (288 rows of SmolLM2's
     largest matmul shape, 3072 x 576), timed once per process on this process's threads."""
-    if not can_pack(torch.bfloat16, torch.device("cpu")):
+    if envs.onednn_mid_pack_disabled() or not can_pack(torch.bfloat16, torch.device("cpu")):
         return False
     generator = torch.Generator().manual_seed(0)
     weight = torch.randn(3072, 576, generator=generator).to(torch.bfloat16)

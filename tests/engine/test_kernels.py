@@ -93,9 +93,15 @@ def test_bf16_rows_just_above_the_mid_pack_size_use_that_copy_where_it_was_measu
     assert served == [(edges[0], "one"), (edges[1], inside), (edges[2], inside), (edges[3], "one")]
 
 
-def test_the_mid_pack_choice_is_a_measurement_made_once():
+def test_the_mid_pack_choice_is_a_measurement_made_once_unless_switched_off(monkeypatch):
     from engine.models import linear
 
     first = linear.onednn_bf16_mid_pack_faster()
     assert isinstance(first, bool) and linear.onednn_bf16_mid_pack_faster() is first
     assert linear.onednn_bf16_mid_pack_faster.cache_info().hits >= 1
+    monkeypatch.setenv("TANDEM_ONEDNN_MID_PACK", "0")
+    linear.onednn_bf16_mid_pack_faster.cache_clear()
+    try:
+        assert linear.onednn_bf16_mid_pack_faster() is False
+    finally:
+        linear.onednn_bf16_mid_pack_faster.cache_clear()
