@@ -17,6 +17,8 @@ import statistics
 from collections import defaultdict
 from pathlib import Path
 
+from engine.step_budget import APART_FROM_LANE
+
 
 class StepLog:
     def __init__(self, path: str) -> None:
@@ -43,16 +45,20 @@ class StepLog:
         self._file.close()
 
 
+def _records(path: str | Path) -> list[dict]:
+    return [json.loads(line) for line in Path(path).read_text(encoding="utf-8").splitlines()]
+
+
 def summarise(path: str | Path, bucket: int = 10) -> list[dict]:
     """A log's steps by batch size (decodes, in buckets of ``bucket``), apart for steps with
-    prompt tokens and for steps the lane computed beside: count, median ms, and for steps with
+    prompt tokens and for steps the lane computed beside (for more than ``APART_FROM_LANE`` of
+    the step): count, median ms, and for steps with
     prompt tokens the median ms per prompt token over the bucket's median step without any."""
     groups: dict[tuple, list[dict]] = defaultdict(list)
-    for line in Path(path).read_text(encoding="utf-8").splitlines():
-        record = json.loads(line)
-        if record["kind"] == "step":
-            key = (record["decodes"] // bucket, record["prompt_tokens"] > 0, record["lane_share"] > 0.5)
-            groups[key].append(record)
+    for record in (r for r in _records(path) if r["kind"] == "step"):
+        # beside the lane: any share above what the step budget still counts as apart from it
+        key = (record["decodes"] // bucket, record["prompt_tokens"] > 0, record["lane_share"] > APART_FROM_LANE)
+        groups[key].append(record)
     plain = {key[0]: statistics.median(r["ms"] for r in steps) for key, steps in groups.items()
              if not key[1] and not key[2]}
     rows = []
@@ -75,7 +81,7 @@ def report(path: str | Path, bucket: int = 10) -> str:
         lines.append(f"| {row['decodes']} | {'yes' if row['prompt'] else 'no'} | "
                      f"{'yes' if row['beside_lane'] else 'no'} | {row['steps']} | {row['median_ms']} | "
                      f"{row.get('ms_per_prompt_token', '-')} |")
-    records = [json.loads(line) for line in Path(path).read_text(encoding="utf-8").splitlines()]
+    records = _records(path)
     steps = [r for r in records if r["kind"] == "step"]
     lane = [r for r in records if r["kind"] == "lane"]
     gaps = [r["gap_ms"] for r in steps if r["gap_ms"] is not None]
