@@ -397,7 +397,9 @@ class EngineCore:
             self.step_log.step(start=ended_at - elapsed_s, end=ended_at, decodes=scheduled.num_decodes,
                                prompt_tokens=scheduled.num_batched_tokens - scheduled.num_decodes,
                                lane_share=min(1.0, lane_share), waiting=len(self.scheduler.waiting),
-                               in_lane=self.num_in_lane())
+                               in_lane=self.num_in_lane(),
+                               prompt_ids=[seq.request_id for seq in scheduled.seqs
+                                           if self.scheduler.requests[seq.request_id].times.first_token is None])
         updates = self.scheduler.update_from_output(scheduled, runner_output)
         failed_outputs += [self._fail(self.scheduler.requests[request_id], message)
                            for request_id, message in runner_output.failed.items()
@@ -548,6 +550,10 @@ class EngineCore:
         times = request.times
         if update.new_token_ids and times.first_token is None:
             times.first_token = time.monotonic()
+            if self.step_log is not None:
+                self.step_log.prompt(request_id=request.request_id, end=times.first_token,
+                                     tokens=request.num_prompt_tokens - request.num_cached_tokens,
+                                     arrival=request.arrival_time, scheduled=times.scheduled)
         if finished:
             self._detokenizers.pop(request.request_id, None)
             times.finished = time.monotonic()

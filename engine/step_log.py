@@ -7,7 +7,10 @@ from the previous step's end to this one's start, "decodes": sequences fed one t
 "prompt_tokens": the others' tokens, "lane_share": the share of the step the lane computed
 beside it, "waiting": requests waiting for a step, "in_lane": prompts the lane holds}``.
 Lane lines: ``{"kind": "lane", "end", "ms": the prompt's time in the lane, "tokens": its
-length}``. ``summarise`` groups a log's steps by batch size; ``tandem bench steps LOG`` prints it."""
+length}``. Prompt lines, one per request when its first token comes: ``{"kind": "prompt", "end",
+"tokens": prompt tokens computed (less a prefix-cache hit), "queue_ms": arrival to its first
+computation, "read_ms": from there to its first token, "steps": engine steps that computed some of
+its prompt (0: the prefill lane read it, or another worker)}``. ``summarise`` groups a log's steps by batch size; ``tandem bench steps LOG`` prints it."""
 
 from __future__ import annotations
 
@@ -26,9 +29,12 @@ class StepLog:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._file = open(self.path, "a", buffering=1, encoding="utf-8")  # noqa: SIM115 (open for the engine's life)
         self._last_end: float | None = None
+        self._prompt_steps: dict[str, int] = {}  # request id -> steps that computed some of its prompt so far
 
     def step(self, *, start: float, end: float, decodes: int, prompt_tokens: int, lane_share: float,
-             waiting: int, in_lane: int) -> None:
+             waiting: int, in_lane: int, prompt_ids: list[str] = ()) -> None:
+        for request_id in prompt_ids:
+            self._prompt_steps[request_id] = self._prompt_steps.get(request_id, 0) + 1
         gap_ms = None if self._last_end is None else round((start - self._last_end) * 1000.0, 3)
         self._last_end = end
         self._write({"kind": "step", "end": round(end, 6), "ms": round((end - start) * 1000.0, 3), "gap_ms": gap_ms,
@@ -37,6 +43,12 @@ class StepLog:
 
     def lane(self, *, end: float, elapsed_s: float, tokens: int) -> None:
         self._write({"kind": "lane", "end": round(end, 6), "ms": round(elapsed_s * 1000.0, 3), "tokens": tokens})
+
+    def prompt(self, *, request_id: str, end: float, tokens: int, arrival: float, scheduled: float | None) -> None:
+        scheduled = end if scheduled is None else scheduled
+        self._write({"kind": "prompt", "end": round(end, 6), "tokens": tokens,
+                     "queue_ms": round((scheduled - arrival) * 1000.0, 3), "read_ms": round((end - scheduled) * 1000.0, 3),
+                     "steps": self._prompt_steps.pop(request_id, 0)})
 
     def _write(self, record: dict) -> None:
         self._file.write(json.dumps(record, separators=(",", ":")) + "\n")
@@ -91,4 +103,15 @@ def report(path: str | Path, bucket: int = 10) -> str:
     if lane:
         lines.append(f"lane: {len(lane)} prompts, median {statistics.median(r['ms'] for r in lane):.0f} ms, "
                      f"{statistics.median(r['ms'] / r['tokens'] for r in lane):.2f} ms a token")
+    prompts = [r for r in records if r["kind"] == "prompt"]
+    if prompts:
+        lines += ["\n| prompts read in | prompts | tokens (median) | queue ms (median, mean) | reading ms (median, mean) |",
+                  "|---|---|---|---|---|"]
+        for steps in sorted({r["steps"] for r in prompts}):
+            group = [r for r in prompts if r["steps"] == steps]
+            queue, read = [r["queue_ms"] for r in group], [r["read_ms"] for r in group]
+            where = "the lane (or another worker)" if steps == 0 else f"{steps} step{'s' if steps > 1 else ''}"
+            lines.append(f"| {where} | {len(group)} | {statistics.median(r['tokens'] for r in group):.0f} | "
+                         f"{statistics.median(queue):.0f}, {statistics.fmean(queue):.0f} | "
+                         f"{statistics.median(read):.0f}, {statistics.fmean(read):.0f} |")
     return "\n".join(lines)

@@ -41,12 +41,20 @@ def test_the_step_log_counts_every_fed_token_once(tiny_llama_dir, tmp_path, monk
     assert steps[0]["gap_ms"] is None and all(r["gap_ms"] >= 0 for r in steps[1:])
     assert [r["end"] for r in steps] == sorted(r["end"] for r in steps)
 
+    # a prompt line per request, when its first token came: the lane's read in no step
+    prompts = {r["tokens"]: r for r in records if r["kind"] == "prompt"}
+    assert len([r for r in records if r["kind"] == "prompt"]) == 6
+    assert prompts[len(lane["lane"])]["steps"] == 0
+    assert all(prompts[len(p)]["steps"] >= 1 for p in short.values())
+    assert all(r["queue_ms"] >= 0 and r["read_ms"] >= 0 for r in prompts.values())
+
     rows = summarise(path)
     assert sum(row["steps"] for row in rows) == len(steps)
     assert {row["prompt"] for row in rows} == {True, False}
     assert main(["bench", "steps", str(path)]) == 0
     printed = capsys.readouterr().out
     assert f"{len(steps)} steps" in printed and "lane: 1 prompts" in printed
+    assert "| the lane (or another worker) | 1 |" in printed
 
 
 def test_no_log_is_written_unless_asked(tiny_llama_dir, monkeypatch):
