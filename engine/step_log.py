@@ -10,7 +10,8 @@ Lane lines: ``{"kind": "lane", "end", "ms": the prompt's time in the lane, "toke
 length}``. Prompt lines, one per request when its first token comes: ``{"kind": "prompt", "end",
 "tokens": prompt tokens computed (less a prefix-cache hit), "queue_ms": arrival to its first
 computation, "read_ms": from there to its first token, "steps": engine steps that computed some of
-its prompt (0: the prefill lane read it, or another worker)}``. ``summarise`` groups a log's steps by batch size; ``tandem bench steps LOG`` prints it."""
+its prompt (0: the prefill lane read it, or another worker)}``. ``summarise`` groups a log's
+steps by batch size; ``tandem bench steps LOG`` prints it, and the prompts by their steps."""
 
 from __future__ import annotations
 
@@ -47,8 +48,8 @@ class StepLog:
     def prompt(self, *, request_id: str, end: float, tokens: int, arrival: float, scheduled: float | None) -> None:
         scheduled = end if scheduled is None else scheduled
         self._write({"kind": "prompt", "end": round(end, 6), "tokens": tokens,
-                     "queue_ms": round((scheduled - arrival) * 1000.0, 3), "read_ms": round((end - scheduled) * 1000.0, 3),
-                     "steps": self._prompt_steps.pop(request_id, 0)})
+                     "queue_ms": round((scheduled - arrival) * 1000.0, 3),
+                     "read_ms": round((end - scheduled) * 1000.0, 3), "steps": self._prompt_steps.pop(request_id, 0)})
 
     def _write(self, record: dict) -> None:
         self._file.write(json.dumps(record, separators=(",", ":")) + "\n")
@@ -105,8 +106,8 @@ def report(path: str | Path, bucket: int = 10) -> str:
                      f"{statistics.median(r['ms'] / r['tokens'] for r in lane):.2f} ms a token")
     prompts = [r for r in records if r["kind"] == "prompt"]
     if prompts:
-        lines += ["\n| prompts read in | prompts | tokens (median) | queue ms (median, mean) | reading ms (median, mean) |",
-                  "|---|---|---|---|---|"]
+        lines += ["\n| prompts read in | prompts | tokens (median) | queue ms (median, mean) "
+                  "| reading ms (median, mean) |", "|---|---|---|---|---|"]
         for steps in sorted({r["steps"] for r in prompts}):
             group = [r for r in prompts if r["steps"] == steps]
             queue, read = [r["queue_ms"] for r in group], [r["read_ms"] for r in group]
