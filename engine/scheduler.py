@@ -51,6 +51,7 @@ class _Step:
     budget: int  # tokens of the step still free (max_num_batched_tokens)
     prompt_room: int  # prompt tokens still free (the step's time target beside its decodes)
     decoding_ids: set[str]  # running requests that decode this step
+    prompt_tokens: int = 0  # prompt (or recomputed) tokens handed out so far
     scheduled: dict[str, ScheduledSeq] = field(default_factory=dict)  # request id -> its tokens this step
     preempted: list[str] = field(default_factory=list)  # for a running request's blocks: admit nothing more
     made_room: list[str] = field(default_factory=list)  # priority policy: lower classes that yielded to waiting ones
@@ -144,7 +145,9 @@ class Scheduler:
             return None
         request = self.waiting.peek()
         cached = self._lane_hit(request)
-        if (cached is None or (self.lane.busy and not self._lane_in_time(request))
+        # pace and cost: an idle lane too takes only what it gets through in time (below)
+        check_time = self.lane is not None and (self.lane.busy or self._paced())
+        if (cached is None or (check_time and not self._lane_in_time(request))
                 or not self.kv.allocate_slots(request.request_id, request.num_prompt_tokens, cached)):
             return None
         num_cached = len(cached) * self.kv.block_size
@@ -180,12 +183,19 @@ class Scheduler:
         """Its prefix-cache hit if ``request`` is one for the lane now, else None: it could go
         there (``_lane_fit``), and the policy sends it. Under ``overflow`` it must find prefill
         work under way (``_prefill_pressure``): a lone prompt is read faster in the steps, on
-        every thread. Under ``pace`` the streams must be slower than the bound
-        (``_streams_behind``)."""
+        every thread. Under ``pace`` (and ``cost``) the streams must be slower than the bound
+        (``_streams_behind``), and the steps must not be reading a prompt of their own: the two
+        would then read a prompt each, each on half the threads, and each prompt's first token
+        would come about twice as late as from the steps on every thread one after the other,
+        while the steps, reading theirs, would stall the streams as much as ever (issue 20: in
+        bursts of long prompts the lane and the steps read two at a time, and those prompts
+        were the TTFT tail). For the same reason a queue the lane would not get through within
+        ``prefill_lane_max_wait_ms`` goes to the steps even while the lane is idle
+        (``take_for_lane``)."""
         policy = self.config.prefill_lane_policy
         if policy == "overflow" and (self.lane is None or not self._prefill_pressure()):
             return None
-        if policy in ("pace", "cost") and not self._streams_behind():
+        if policy in ("pace", "cost") and (not self._streams_behind() or self._steps_read_a_prompt()):
             return None
         if policy == "cost" and not self._lane_costs_less():
             return None
@@ -213,12 +223,35 @@ class Scheduler:
         instead of being read in the steps: it is one for the lane, or, under ``pace``, one the
         lane could read, which the steps would read on the threads the lane leaves them (slowly,
         stalling the streams meanwhile; once the lane is done, the pace decides again)."""
-        if self.lane is None or not self.lane.busy or not self._lane_in_time(request):
+        if self.lane is None or not self.lane.busy:
             return False
-        if self.config.prefill_lane_policy in ("pace", "cost"):
+        if not self._lane_in_time(request):
+            return self._paced() and self._lane_done_first(request)
+        if self._paced():
             cached = self._lane_fit(request)
             return cached is not None and self._lane_sooner(request, cached)
         return self._lane_hit(request) is not None
+
+    def _lane_done_first(self, request: Request) -> bool:
+        """The busy lane, by its measured pace, is done with what it holds before the steps, on
+        every thread, would have read ``request`` (``StepBudget.prompt_ms`` apart from the lane):
+        the steps then wait for it and read the prompt on every thread, sooner than on the
+        threads the lane leaves them now (where a prompt token costs about twice as much on 2
+        cores), and the streams decode beside the lane meanwhile."""
+        if self._lane_fit(request) is None:
+            return False
+        backlog = self.lane.backlog_ms(time.monotonic())
+        tokens = request.num_tokens - request.num_computed_tokens
+        num_decodes = sum(1 for r in self.running if r.num_tokens - r.num_computed_tokens == 1)
+        steps_ms = self.step_budget.prompt_ms(tokens, num_decodes)
+        return backlog is not None and steps_ms is not None and backlog < steps_ms
+
+    def _paced(self) -> bool:
+        return self.config.prefill_lane_policy in ("pace", "cost")
+
+    def _steps_read_a_prompt(self) -> bool:
+        """A running request still has prompt tokens to compute in the steps (a chunked prompt)."""
+        return any(r.num_tokens - r.num_computed_tokens > 1 for r in self.running)
 
     def _lane_sooner(self, request: Request, cached: list[int]) -> bool:
         """The lane would give ``request`` its first token within ``prefill_lane_ttft_ratio``
@@ -268,8 +301,7 @@ class Scheduler:
     def _prefill_pressure(self) -> bool:
         """Prefill work beside the head of the queue: the lane holds a prompt, another request
         waits, or a running request still has prompt tokens to compute (a chunked prompt)."""
-        return (self.lane.busy or len(self.waiting) > 1
-                or any(r.num_tokens - r.num_computed_tokens > 1 for r in self.running))
+        return self.lane.busy or len(self.waiting) > 1 or self._steps_read_a_prompt()
 
     # -- one step ---------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -281,7 +313,8 @@ class Scheduler:
         running = sorted(self.running, key=priority_key) if self.by_priority else self.running
         decoding = [r for r in running if r.num_tokens - r.num_computed_tokens == 1]
         prefilling = [r for r in running if r.num_tokens - r.num_computed_tokens > 1]
-        step = _Step(self.config.max_num_batched_tokens, self.step_budget.prompt_tokens(len(decoding)),
+        beside_lane = self.lane is not None and self.lane.busy  # the step will have a thread fewer
+        step = _Step(self.config.max_num_batched_tokens, self.step_budget.prompt_tokens(len(decoding), beside_lane),
                      {r.request_id for r in decoding})
         for request in decoding:
             self._schedule_running(request, step)
@@ -314,6 +347,7 @@ class Scheduler:
         step.scheduled[request.request_id] = self._scheduled(request, num_new)
         step.budget -= num_new
         step.prompt_room -= num_new if num_left > 1 else 0
+        step.prompt_tokens += num_new if num_left > 1 else 0
 
     def _admit_waiting(self, step: _Step, before: Request | None = None) -> None:
         """Admit waiting requests while a slot, blocks and room allow (none in a step that
@@ -327,7 +361,14 @@ class Scheduler:
                 return
             cached = self.kv.find_cached_prefix(request) if request.num_computed_tokens == 0 else []
             num_cached = len(cached) * self.kv.block_size
-            num_new = min(request.num_tokens - num_cached, step.budget, step.prompt_room)
+            num_left = request.num_tokens - num_cached
+            num_new = min(num_left, step.budget, step.prompt_room)
+            if num_new < num_left and step.prompt_tokens:
+                # A prompt started in what another prompt's chunk leaves of a step would end in the
+                # next step, and its chunk there would hold up the first token of whatever that step
+                # finishes (issue 20: on long prompts most were read in two steps, the second carrying
+                # the next prompt's head). It starts in a step of its own instead.
+                return
             if (len(self.running) >= self.config.max_num_seqs
                     or not self.kv.allocate_slots(request.request_id, num_cached + num_new, cached)):
                 victim = self._lower_than(request)
@@ -347,6 +388,7 @@ class Scheduler:
             step.scheduled[request.request_id] = self._scheduled(request, num_new)
             step.budget -= num_new
             step.prompt_room -= num_new
+            step.prompt_tokens += num_new
 
     def _preempt_in_step(self, victim: Request, step: _Step) -> None:
         """Preempt ``victim``, giving back what this step had scheduled for it."""
@@ -354,7 +396,9 @@ class Scheduler:
         undone = step.scheduled.pop(victim.request_id, None)
         if undone is not None:
             step.budget += len(undone.token_ids)
-            step.prompt_room += 0 if victim.request_id in step.decoding_ids else len(undone.token_ids)
+            prompt = 0 if victim.request_id in step.decoding_ids else len(undone.token_ids)
+            step.prompt_room += prompt
+            step.prompt_tokens -= prompt
 
     def _victim(self) -> Request:
         """The running request that yields its blocks: the newest (fcfs), or the lowest

@@ -91,36 +91,54 @@ class StepBudget:
         self.totals = StepTotals()
         self.tradeoff = LaneTradeoff(config.smoothing)
 
-    def prompt_tokens(self, num_decodes: int) -> int:
+    def prompt_tokens(self, num_decodes: int, beside_lane: bool = False) -> int:
         """Prompt tokens the next step may compute, given that ``num_decodes`` sequences decode
-        in it (the decodes come out of the token cap separately)."""
+        in it (the decodes come out of the token cap separately); ``beside_lane``: the step will
+        run beside the prefill lane's prompt, on the threads the lane leaves it (``costs``)."""
         cap = self.config.max_num_batched_tokens
         target = self.config.max_step_ms
         if target is None or num_decodes == 0:
             return cap
-        if self.ms_per_prompt_token is None:
+        decode_ms, per_token = self.costs(beside_lane)
+        if per_token is None:
             return min(cap, self.config.min_chunk_tokens)
-        room_ms = target - (self.decode_ms or 0.0)
-        return max(self.config.min_chunk_tokens, min(cap, int(room_ms / self.ms_per_prompt_token)))
+        room_ms = target - (decode_ms or 0.0)
+        return max(self.config.min_chunk_tokens, min(cap, int(room_ms / per_token)))
+
+    def costs(self, beside_lane: bool = False) -> tuple[float | None, float | None]:
+        """(a decode-only step's ms, a prompt token's marginal ms in a step), for a step apart from
+        the prefill lane (measured on steps apart from it, else on every step) or beside it (the
+        decode part apart times the lane's slowdown; a prompt token at what steps beside the lane
+        measured, else its cost apart times the slowdown). Apart from the lane a step has every
+        thread, beside it one fewer: on 2 cores a prompt token there costs about twice as much
+        (issue 20: with the two blended, steps apart from the lane split most ~1k-token prompts
+        in two)."""
+        tradeoff = self.tradeoff
+        decode_ms = tradeoff.decode_ms_apart or self.decode_ms
+        per_token = tradeoff.step_ms_per_token or self.ms_per_prompt_token
+        if not beside_lane:
+            return decode_ms, per_token
+        slowdown = tradeoff.slowdown or 1.0
+        if tradeoff.step_ms_per_token_beside is not None:
+            per_token = tradeoff.step_ms_per_token_beside
+        elif per_token is not None:
+            per_token *= max(1.0, slowdown)
+        return (None if decode_ms is None else decode_ms * slowdown), per_token
 
     def prompt_ms(self, num_tokens: int, num_decodes: int, beside_lane: bool = False) -> float | None:
         """How long the steps would take to read ``num_tokens`` prompt tokens beside
-        ``num_decodes`` decoding sequences, by what this engine measured: steps of at most
-        ``prompt_tokens(num_decodes)`` prompt tokens, each its decode part plus its tokens'
-        marginal cost. The costs are those of steps apart from the prefill lane (every thread)
-        where measured, else of every step; ``beside_lane``: the steps run beside the lane's
-        prompt, each ``LaneTradeoff.slowdown`` times as long. None before a step that read
-        prompt tokens beside decodes has been timed."""
-        tradeoff = self.tradeoff
-        per_token = tradeoff.step_ms_per_token or self.ms_per_prompt_token
+        ``num_decodes`` decoding sequences, by what this engine measured (``costs``): steps of at
+        most ``prompt_tokens(num_decodes)`` prompt tokens, each its decode part plus its tokens'
+        marginal cost; ``beside_lane``: the steps run beside the lane's prompt. None before a
+        step that read prompt tokens has been timed."""
+        decode_ms, per_token = self.costs(beside_lane)
         if per_token is None:
             return None
         if num_tokens <= 0:
             return 0.0
-        decode_ms = (tradeoff.decode_ms_apart or self.decode_ms or 0.0) if num_decodes else 0.0
-        steps = -(-num_tokens // self.prompt_tokens(num_decodes))
-        ms = steps * decode_ms + num_tokens * per_token
-        return ms * (tradeoff.slowdown or 1.0) if beside_lane else ms
+        steps = -(-num_tokens // self.prompt_tokens(num_decodes, beside_lane))
+        decode_part = (decode_ms or 0.0) if num_decodes else 0.0
+        return steps * decode_part + num_tokens * per_token
 
     def observe(self, shape: StepShape) -> None:
         if shape.num_decodes and shape.ended_at is not None:
@@ -189,7 +207,10 @@ class LaneTradeoff:
 
     - In the steps, on every thread, each prompt token holds up every stream for its marginal
       cost in a step: ``step_ms_per_token``, from steps that read prompt tokens apart from the
-      lane (a step's time less the decode-only step's).
+      lane (a step's time less the decode-only step's), averaged over tokens rather than steps
+      (``TokenAverage``: a short chunk, the tail of a prompt read in two, costs more a token
+      than a whole prompt and says less about the next one). ``step_ms_per_token_beside`` is
+      the same for steps beside the lane (StepBudget.costs sizes their chunks with it).
     - In the lane, the prompt takes ``lane_ms_per_token`` (the lane's own measure) on the lane's
       thread, and the steps beside it run on the threads it leaves them, ``slowdown`` times as
       long as apart from it (decode-only steps beside the lane, each against the mean decode-only
@@ -204,7 +225,8 @@ class LaneTradeoff:
         self.smoothing = smoothing
         self.decode_ms_apart: float | None = None  # decode-only steps apart from the lane
         self.slowdown: float | None = None  # a decode-only step beside the lane / apart from it
-        self.step_ms_per_token: float | None = None  # a prompt token's marginal cost in a step apart from the lane
+        self._apart = TokenAverage(smoothing)  # a prompt token's marginal ms in a step apart from the lane
+        self._beside = TokenAverage(smoothing)  # ... in a step beside it
         # time.monotonic() of the newest sample of ``slowdown`` and of ``step_ms_per_token`` (how fresh each side is)
         self.beside_at: float | None = None
         self.prompt_apart_at: float | None = None
@@ -223,8 +245,19 @@ class LaneTradeoff:
             return
         if apart:
             marginal = marginal_ms_per_prompt_token(shape, self.decode_ms_apart)
-            self.step_ms_per_token = self._average(self.step_ms_per_token, marginal)
+            self._apart.add(marginal * shape.num_prompt_tokens, shape.num_prompt_tokens)
             self.prompt_apart_at = ended_at
+        elif shape.lane_share >= BESIDE_LANE and self.decode_ms_apart and self.slowdown:
+            marginal = marginal_ms_per_prompt_token(shape, self.decode_ms_apart * self.slowdown)
+            self._beside.add(marginal * shape.num_prompt_tokens, shape.num_prompt_tokens)
+
+    @property
+    def step_ms_per_token(self) -> float | None:
+        return self._apart.value
+
+    @property
+    def step_ms_per_token_beside(self) -> float | None:
+        return self._beside.value
 
     def lane_ms(self, lane_ms_per_token: float | None) -> float | None:
         """What a prompt token read in the lane costs the streams (ms), or None before the lane
@@ -236,6 +269,29 @@ class LaneTradeoff:
 
     def _average(self, current: float | None, sample: float) -> float:
         return moving_average(current, sample, self.smoothing)
+
+
+class TokenAverage:
+    """An exponential moving average of ms per token weighted by tokens: the steps' ms and their
+    tokens are averaged apart, each with ``smoothing`` for the newest step, and the estimate is
+    the one over the other, so that a step of 100 tokens counts a tenth as much as one of 1000
+    (steps of equal size: the plain moving average of their ms per token)."""
+
+    def __init__(self, smoothing: float) -> None:
+        self.smoothing = smoothing
+        self._ms = 0.0
+        self._tokens = 0.0
+
+    def add(self, ms: float, tokens: int) -> None:
+        if tokens <= 0:
+            return
+        new = self.smoothing if self._tokens else 1.0
+        self._ms += new * (ms - self._ms)
+        self._tokens += new * (tokens - self._tokens)
+
+    @property
+    def value(self) -> float | None:
+        return self._ms / self._tokens if self._tokens else None
 
 
 # how far back StreamPace looks: a few seconds of steps, less than one request's life (128

@@ -950,6 +950,9 @@ def test_the_cost_policy_gives_the_lane_a_prompt_only_when_it_costs_the_streams_
 class FixedTradeoff(LaneTradeoff):
     """LaneTradeoff with the steps' costs a test sets (it learns nothing from the steps)."""
 
+    step_ms_per_token: float | None = None
+    step_ms_per_token_beside: float | None = None
+
     def observe(self, shape) -> None:
         pass
 
@@ -958,8 +961,9 @@ def test_a_ttft_ratio_gives_the_lane_a_prompt_only_when_it_answers_about_as_soon
     """``prefill_lane_ttft_ratio``: under ``pace``, with the streams behind, the lane takes a
     prompt only if, at its measured ms per token after its backlog, it gives the first token
     within the ratio times the steps' time (StepBudget.prompt_ms: the steps' costs, the prompt
-    tokens running requests still lack counted ahead of it). Here the steps take 30 ms a step
-    beside the decodes and 1 ms a prompt token: a lone 100-token prompt 130 ms."""
+    tokens running requests still lack counted ahead of it), and never while the steps read a
+    prompt. Here the steps take 30 ms a step beside the decodes and 1 ms a prompt token: a lone
+    100-token prompt 130 ms."""
     core = build(tiny_llama_dir, LANE_MIN, max_model_len=512, prefill_lane_policy="pace", prefill_lane_pace_ms=60.0,
                  prefill_lane_ttft_ratio=1.2)
     seen = wrap_lane(core)
@@ -974,8 +978,10 @@ def test_a_ttft_ratio_gives_the_lane_a_prompt_only_when_it_answers_about_as_soon
              ("fast-lane", 100, 1.5, True),  # 150 ms
              # from here on the steps read 16 prompt tokens a step: 19 steps and 300 tokens (870 ms) against 1500
              ("ahead", 300, 5.0, False),
-             # 500 ms: more than 1.2 x 310 (7 steps, 100 tokens) alone, less behind 284 of ahead's (1325)
-             ("behind-a-prompt", 100, 5.0, True)]
+             # 500 ms: more than 1.2 x 310 (7 steps, 100 tokens) alone, less behind 284 of ahead's (1325),
+             # but the steps are reading ahead: the lane takes no prompt then (the two would each
+             # read one on half the threads), and this one follows ahead in the steps
+             ("behind-a-prompt", 100, 5.0, False)]
     prompts = {name: long_prompt(70 + index, length) for index, (name, length, _, _) in enumerate(cases)}
     try:
         tokens.update(start_streams(core, params=streams))
@@ -987,8 +993,16 @@ def test_a_ttft_ratio_gives_the_lane_a_prompt_only_when_it_answers_about_as_soon
                 assert ahead.num_tokens - ahead.num_computed_tokens == 284
             core.lane.ms_per_token = lane_ms_per_token
             if name == "ahead":
-                budget.prompt_tokens = lambda num_decodes: 16
-            add_and_check_where_it_went(core, step, tokens, name, prompts[name], to_lane)
+                budget.prompt_tokens = lambda num_decodes, beside_lane=False: 16
+            if name != "behind-a-prompt":
+                add_and_check_where_it_went(core, step, tokens, name, prompts[name], to_lane)
+                continue
+            core.add_request(core.make_request(name, prompts[name], GREEDY))
+            while ahead.num_tokens - ahead.num_computed_tokens > 1:  # it waits for ahead, out of the lane
+                step()
+                assert core.lane.pending == [] and core.scheduler.requests[name].num_computed_tokens == 0
+            step()
+            assert core.scheduler.requests[name].num_computed_tokens > 0
         drain(core, step)
     finally:
         core.close()
@@ -1034,3 +1048,89 @@ def test_the_engine_measures_what_a_prompt_costs_the_streams_beside_the_lane_and
     assert stats.lane_slowdown == pytest.approx(tradeoff.slowdown, rel=1e-6)
     assert stats.step_ms_per_prompt_token == pytest.approx(tradeoff.step_ms_per_token, rel=1e-6)
     assert stats.lane_ms_per_token == pytest.approx(lane_core.lane.ms_per_token or 0.0, rel=1e-6)
+
+
+def test_under_pace_the_lane_stays_out_of_a_queue_it_would_not_get_through_and_of_the_steps_prompt(tiny_llama_dir):
+    """``pace``, the streams behind: the idle lane takes the head of the queue only if, at its
+    measured ms per token, it would read everything waiting within ``prefill_lane_max_wait_ms``
+    (else the steps read the queue on every thread, one prompt after the other), and never while
+    the steps are reading a prompt of their own (the two would read one each, on half the
+    threads each)."""
+    core = build(tiny_llama_dir, LANE_MIN, max_model_len=512, prefill_lane_policy="pace", prefill_lane_pace_ms=60.0,
+                 prefill_lane_max_wait_ms=2000.0)
+    seen = wrap_lane(core)
+    tokens: dict[str, list[int]] = {}
+    step = functools.partial(step_into, core, tokens)
+    streams = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+    names = ["q0", "q1", "q2", "lone", "chunked", "next"]
+    prompts = {name: long_prompt(90 + index, 100) for index, name in enumerate(names)}
+    pace = SetPace(75.0)
+    try:
+        tokens.update(start_streams(core, params=streams))
+        budget = core.scheduler.step_budget
+        budget.pace = pace
+        core.lane.ms_per_token = 10.0  # three prompts of 100 tokens: 3 s of the lane's time, over the bound
+        for name in ("q0", "q1", "q2"):
+            core.add_request(core.make_request(name, prompts[name], GREEDY))
+        step()
+        assert core.lane.pending == [] and core.scheduler.requests["q0"].num_computed_tokens > 0
+        while any(name not in tokens for name in ("q0", "q1", "q2")):
+            step()
+            assert core.lane.pending == []
+        core.lane.ms_per_token = 1.0  # one prompt, 100 ms: the lane takes it
+        core.add_request(core.make_request("lone", prompts["lone"], GREEDY))
+        step()
+        assert core.lane.pending == ["lone"]
+        while core.lane.busy:
+            step()
+        # the steps read a prompt in chunks (the streams were fast when it came); the next waits for them
+        pace.value = 45.0
+        budget.prompt_tokens = lambda num_decodes, beside_lane=False: 16
+        core.add_request(core.make_request("chunked", prompts["chunked"], GREEDY))
+        step()
+        pace.value = 75.0
+        core.add_request(core.make_request("next", prompts["next"], GREEDY))
+        chunked = core.scheduler.requests["chunked"]
+        while chunked.num_tokens - chunked.num_computed_tokens > 1:
+            assert core.lane.pending == [] and core.scheduler.requests["next"].num_computed_tokens == 0
+            step()
+        drain(core, step)
+    finally:
+        core.close()
+    assert [request_id for request_id, _, _ in seen] == ["lone", "next"]
+    assert all(len(tokens[name]) == GREEDY.max_tokens for name in names)
+
+
+def test_a_prompt_the_busy_lane_would_not_reach_in_time_waits_for_it_only_if_it_is_done_first(tiny_llama_dir):
+    """``pace``: the busy lane would not get to the head prompt within the bound. If the lane is
+    done with what it holds before the steps, on every thread, would have read the prompt
+    (StepBudget.prompt_ms), the prompt waits for it, then the steps read it on every thread;
+    otherwise the steps read it now, beside the lane."""
+    core = build(tiny_llama_dir, LANE_MIN, max_model_len=512, prefill_lane_policy="pace", prefill_lane_pace_ms=60.0)
+    release, seen, tokens, step = held_lane(core)
+    streams = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+    prompts = {name: long_prompt(110 + index, 100) for index, name in enumerate(("held", "waits"))}
+    costs = FixedTradeoff()
+    costs.decode_ms_apart, costs.step_ms_per_token = 30.0, 1.0  # the steps read 100 tokens in 130 ms
+    backlog = [50.0]
+    try:
+        tokens.update(start_streams(core, params=streams))
+        scheduler = core.scheduler
+        scheduler.step_budget.pace, scheduler.step_budget.tradeoff = SetPace(75.0), costs
+        core.add_request(core.make_request("held", prompts["held"], GREEDY))
+        step()
+        assert core.lane.pending == ["held"]
+        scheduler._lane_in_time = lambda request: False
+        core.lane.backlog_ms = lambda now: backlog[0]
+        core.add_request(core.make_request("waits", prompts["waits"], GREEDY))
+        step()  # the lane is done in 50 ms, the steps would take 130: it waits
+        assert core.lane.pending == ["held"] and scheduler.requests["waits"].num_computed_tokens == 0
+        backlog[0] = 500.0
+        step()  # now the lane is 500 ms from done: the steps read it beside the lane
+        assert core.lane.pending == ["held"] and scheduler.requests["waits"].num_computed_tokens > 0
+        release.set()
+        drain(core, step)
+    finally:
+        release.set()
+        core.close()
+    assert [request_id for request_id, _, _ in seen] == ["held"]

@@ -289,6 +289,22 @@ def test_decodes_advance_while_a_long_prompt_is_read_in_chunks():
     assert steps[4] == {"short": 1, "long": 1}  # long decodes its second and last token
 
 
+@pytest.mark.parametrize("second_len, second_step", [(6, {"a": 4}), (4, {"a": 4, "b": 4})])
+def test_a_prompt_starts_beside_another_prompt_only_if_it_ends_there(second_len, second_step):
+    # a (12 tokens) is read 8 + 4; b does not start in the 4 left beside a's last chunk unless it
+    # ends there (whole): its head would hold up a's first token, and it would end a step later
+    sched = make_scheduler(budget=8)
+    sched.add_request(make_request("a", 12, max_tokens=4))
+    sched.add_request(make_request("b", second_len, max_tokens=4))
+    steps = []
+    for _ in range(3):
+        out, _ = run_step(sched)
+        steps.append({s.request_id: len(s.token_ids) for s in out.seqs})
+    assert steps[0] == {"a": 8}
+    assert steps[1] == second_step
+    assert steps[2] == ({"a": 1, "b": 6} if second_len == 6 else {"a": 1, "b": 1})
+
+
 def test_remote_kv_reuses_own_prefix_and_first_token_can_finish():
     sched = make_scheduler(block_size=4)
     prompt = list(range(300, 311))

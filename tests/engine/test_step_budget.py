@@ -153,7 +153,8 @@ def test_the_lane_tradeoff_measures_both_sides_from_steps_apart_from_and_beside_
     """LaneTradeoff's arithmetic (the ``cost`` lane policy's inputs): decode-only steps apart
     from the lane set the baseline, those beside it the slowdown against the baseline of the
     time, prompt steps apart from it the steps' cost per prompt token; steps that shared
-    their time with the lane only in part, and prompt steps beside it, teach it nothing."""
+    their time with the lane only in part teach it nothing, and prompt steps beside it only
+    their own cost per token."""
     budget = StepBudget(StepBudgetConfig(max_num_batched_tokens=512, max_step_ms=500.0, smoothing=0.5))
     tradeoff = budget.tradeoff
     assert tradeoff.lane_ms(0.9) is None and tradeoff.step_ms_per_token is None  # nothing measured
@@ -171,9 +172,12 @@ def test_the_lane_tradeoff_measures_both_sides_from_steps_apart_from_and_beside_
     budget.observe(StepShape(num_decodes=8, num_prompt_tokens=100, elapsed_s=0.090, lane_share=0.0, ended_at=5.0))
     assert tradeoff.step_ms_per_token == pytest.approx((90.0 - 40.0) / 100) and tradeoff.prompt_apart_at == 5.0
     budget.observe(StepShape(num_decodes=0, num_prompt_tokens=200, elapsed_s=0.040, lane_share=0.0, ended_at=6.0))
-    assert tradeoff.step_ms_per_token == pytest.approx(0.5 * 0.5 + 0.5 * 40.0 / 200)  # nothing decoded: all of it
+    # nothing decoded: all of it; weighted by tokens, the 200 count twice the 100
+    assert tradeoff.step_ms_per_token == pytest.approx((0.5 * 50.0 + 0.5 * 40.0) / (0.5 * 100 + 0.5 * 200))
     budget.observe(StepShape(num_decodes=8, num_prompt_tokens=100, elapsed_s=0.900, lane_share=1.0, ended_at=7.0))
-    assert tradeoff.prompt_apart_at == 6.0 and tradeoff.step_ms_per_token == pytest.approx(0.35)  # beside: ignored
+    # beside the lane: apart from the steps apart from it, its decode part the slowed baseline (40 x 1.5)
+    assert tradeoff.prompt_apart_at == 6.0 and tradeoff.step_ms_per_token == pytest.approx(0.3)
+    assert tradeoff.step_ms_per_token_beside == pytest.approx((900.0 - 60.0) / 100)
     # a step beside the lane that beat the baseline: the lane costs the streams nothing, never less
     budget.observe(StepShape(num_decodes=8, num_prompt_tokens=0, elapsed_s=0.010, lane_share=1.0, ended_at=8.0))
     budget.observe(StepShape(num_decodes=8, num_prompt_tokens=0, elapsed_s=0.010, lane_share=1.0, ended_at=9.0))
@@ -182,8 +186,8 @@ def test_the_lane_tradeoff_measures_both_sides_from_steps_apart_from_and_beside_
 
 def test_the_steps_time_for_a_prompt_is_its_chunks_decode_parts_and_tokens_at_the_measured_costs():
     """StepBudget.prompt_ms (the prefill lane's TTFT guard compares the lane with it): one decode
-    part per step the prompt's chunks take, each token at its marginal cost; the costs measured
-    apart from the lane where there are some, and the lane's slowdown beside it."""
+    part per step the prompt's chunks take, each token at its marginal cost; the costs of steps
+    apart from the lane, or of steps beside it (StepBudget.costs)."""
     budget = StepBudget(StepBudgetConfig(max_num_batched_tokens=4096, max_step_ms=100, smoothing=1.0))
     assert budget.prompt_ms(200, num_decodes=4) is None  # no prompt step timed yet
     budget.observe(StepShape(num_decodes=4, num_prompt_tokens=0, elapsed_s=0.040, lane_share=0.0))
@@ -193,11 +197,15 @@ def test_the_steps_time_for_a_prompt_is_its_chunks_decode_parts_and_tokens_at_th
     assert budget.prompt_ms(120, num_decodes=4) == pytest.approx(40 + 120 * 0.5)
     assert budget.prompt_ms(0, num_decodes=4) == 0.0
     assert budget.prompt_ms(200, num_decodes=0) == pytest.approx(200 * 0.5)  # one pass, nothing decodes beside it
-    # steps beside the lane teach the slowdown, and cost that much more; apart from it the costs stay
+    # beside the lane: the decode part is the slowed baseline, a prompt token costs what prompt
+    # steps beside it measured (before any, the cost apart times the slowdown); apart, nothing moves
     budget.observe(StepShape(num_decodes=4, num_prompt_tokens=0, elapsed_s=0.060, lane_share=1.0))
+    assert budget.tradeoff.slowdown == pytest.approx(1.5)
+    assert budget.costs(beside_lane=True) == pytest.approx((60.0, 0.75))
+    assert budget.prompt_tokens(num_decodes=4, beside_lane=True) == int((100 - 60) / 0.75)
     budget.observe(StepShape(num_decodes=4, num_prompt_tokens=100, elapsed_s=0.300, lane_share=1.0))
-    assert budget.tradeoff.slowdown == pytest.approx(1.5) and budget.tradeoff.step_ms_per_token == pytest.approx(0.5)
-    chunk = budget.prompt_tokens(num_decodes=4)  # the blend of every step sets the chunk: smaller now
-    steps = -(-200 // chunk)
-    assert budget.prompt_ms(200, num_decodes=4) == pytest.approx(steps * 40 + 200 * 0.5)
-    assert budget.prompt_ms(200, num_decodes=4, beside_lane=True) == pytest.approx(1.5 * (steps * 40 + 200 * 0.5))
+    assert budget.costs(beside_lane=True) == pytest.approx((60.0, (300.0 - 60.0) / 100))
+    assert budget.costs() == pytest.approx((40.0, 0.5)) and budget.prompt_tokens(num_decodes=4) == 120
+    assert budget.prompt_tokens(num_decodes=4, beside_lane=True) == 16  # (100 - 60) / 2.4, and the minimum
+    assert budget.prompt_ms(200, num_decodes=4) == pytest.approx(2 * 40 + 200 * 0.5)
+    assert budget.prompt_ms(200, num_decodes=4, beside_lane=True) == pytest.approx(13 * 60 + 200 * 2.4)
