@@ -74,5 +74,6 @@ def worker_stats(core: EngineCore, role: str, address: str, kv_bytes_sent: int =
         num_lane_layers_helped=counters.lane_layers_helped,
         lane_ms_per_token=(core.lane.ms_per_token if core.lane is not None else None) or 0.0,
         lane_slowdown=tradeoff.slowdown or 0.0, step_ms_per_prompt_token=tradeoff.step_ms_per_token or 0.0,
+        step_ms_per_prompt_token_beside=tradeoff.step_ms_per_token_beside or 0.0,
         **dataclasses.asdict(scheduler.step_budget.totals),
     )

@@ -93,7 +93,7 @@ class ClusterCollector:
                "num_lane_prompts", "num_lane_prompt_tokens", "lane_busy_ms", "num_in_lane",
                "stream_pace_ms", "num_decode_steps", "decode_steps_ms", "decode_steps_seqs", "num_prompt_steps",
                "prompt_steps_ms", "lane_ms_per_token", "lane_slowdown", "step_ms_per_prompt_token",
-               "num_lane_layers_helped")
+               "step_ms_per_prompt_token_beside", "num_lane_layers_helped")
 
     def __init__(self, pool, model_name: str) -> None:
         self._pool = pool

@@ -1047,6 +1047,7 @@ def test_the_engine_measures_what_a_prompt_costs_the_streams_beside_the_lane_and
     stats = worker_stats(lane_core, "decode", "here")
     assert stats.lane_slowdown == pytest.approx(tradeoff.slowdown, rel=1e-6)
     assert stats.step_ms_per_prompt_token == pytest.approx(tradeoff.step_ms_per_token, rel=1e-6)
+    assert stats.step_ms_per_prompt_token_beside == pytest.approx(tradeoff.step_ms_per_token_beside or 0.0, rel=1e-6)
     assert stats.lane_ms_per_token == pytest.approx(lane_core.lane.ms_per_token or 0.0, rel=1e-6)
 
 

@@ -36,3 +36,20 @@ def test_cluster_metrics_come_from_each_workers_stats():
     assert f"tandem:prefix_cache_hits_total{{{prefill}}} 16.0" in text
     assert 'tandem:worker_healthy{address="10.0.0.3:7000",role="prefill"} 0.0' in text
     assert "10.0.0.3:7000" not in text.split("tandem:worker_healthy")[0]  # no Stats yet: no cluster series
+
+
+def test_every_numeric_stats_field_of_a_worker_is_exported():
+    """A field added to WorkerStats reaches /metrics as ``tandem:worker_<field>`` (the
+    collector's list), apart from those exported under DESIGN.md's own names (preemptions, the
+    prefix cache, the chunk histogram) and the block size (a setting, not a measure)."""
+    elsewhere = {"num_preemptions", "prefix_cache_queried_tokens", "prefix_cache_hit_tokens",
+                 "prefill_chunk_tokens_sum", "block_size"}
+    numeric = {field.name for field in pb.WorkerStats.DESCRIPTOR.fields
+               if field.type not in (field.TYPE_STRING, field.TYPE_BYTES) and not field.is_repeated}
+    assert numeric - elsewhere <= set(ClusterCollector._FIELDS), numeric - elsewhere - set(ClusterCollector._FIELDS)
+    pool = SimpleNamespace(decode=[_worker("decode", "10.0.0.1:7000", step_ms_per_prompt_token_beside=0.75)],
+                           prefill=[])
+    registry = CollectorRegistry()
+    registry.register(ClusterCollector(pool, "m"))
+    text = generate_latest(registry).decode()
+    assert 'tandem:worker_step_ms_per_prompt_token_beside{address="10.0.0.1:7000",role="decode"} 0.75' in text
