@@ -19,6 +19,10 @@ from tests.router.conftest import start_server
 from tests.workers import wait_until
 
 MODEL = "smollm2-135m-instruct"
+# the decode test's output length: long enough that 8 sequences on 2 slots keep some waiting for
+# several autoscaling windows even on a fast CPU (at 24 tokens a family-26 EPYC served the whole
+# burst in about the 1 s window, and the pool never grew)
+DECODE_TOKENS = 96
 
 
 def pool_metrics(server) -> dict:
@@ -145,14 +149,14 @@ def test_decode_pool_grows_when_sequences_wait_and_shrinks_when_quiet(smollm_dir
         assert ready_workers(server, "decode") == 1 and worker_actors(server) == 1
         rng = random.Random(3)
         prompts = [[rng.randrange(200, 40000) for _ in range(24)] for _ in range(16)]
-        params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=2)
+        params = SamplingParams(temperature=0.0, max_tokens=DECODE_TOKENS, ignore_eos=True, logprobs=2)
         references = [output.outputs[0] for output in llm.generate(prompts, params)]
 
         async def burst(indices) -> dict[int, list[str]]:
             async with openai.AsyncOpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0,
                                           timeout=300) as api:
                 async def one(index: int) -> list[str]:
-                    reply = await api.completions.create(model=MODEL, prompt=prompts[index], max_tokens=24,
+                    reply = await api.completions.create(model=MODEL, prompt=prompts[index], max_tokens=DECODE_TOKENS,
                                                          temperature=0, logprobs=1, extra_body={"ignore_eos": True})
                     assert reply.choices[0].finish_reason == "length"
                     return reply.choices[0].logprobs.tokens
