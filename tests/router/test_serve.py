@@ -455,14 +455,16 @@ def lane_first_server(smollm_dir):
 
 def test_a_lane_prompt_that_fails_after_its_stream_ended_fails_alone_on_a_live_worker(lane_first_server):
     """A short stream decodes; a ~600-token prompt whose sampling fails (the injected fault)
-    goes to the lane, and the stream (24 tokens) usually ends while the lane, on one float32
+    goes to the lane, and the stream (64 tokens) often ends while the lane, on one float32
     thread, still computes it, so the engine thread, with nothing to step, computes its last
     layers and samples (PrefillLane.help); the test holds either way. The prompt gets a
     500 with the fault's message; the stream its tokens; no KV block stays held, and the worker
     serves the next request."""
     server = lane_first_server
     url, lane_before = server.base_url, server.metric("num_lane_prompts", "decode")
-    stream = {"model": "smollm2-135m-instruct", "prompt": "Count:", "max_tokens": 24, "ignore_eos": True,
+    # 64 tokens: on a fast CPU a 24-token stream could end before the long prompt came, and with
+    # no stream decoding the steps, not the lane, read it
+    stream = {"model": "smollm2-135m-instruct", "prompt": "Count:", "max_tokens": 64, "ignore_eos": True,
               "temperature": 0.0}
     faulted = {"model": "smollm2-135m-instruct", "prompt": " ".join(f"item{i}" for i in range(150)),
                "max_tokens": 4, "temperature": 0.7, "seed": FAULT_SEED}
