@@ -145,9 +145,8 @@ class Scheduler:
             return None
         request = self.waiting.peek()
         cached = self._lane_hit(request)
-        # pace and cost: an idle lane too takes only what it gets through in time (below)
-        check_time = self.lane is not None and (self.lane.busy or self._paced())
-        if (cached is None or (check_time and not self._lane_in_time(request))
+        # pace and cost: an idle lane too takes only what it gets through in time (_lane_hit)
+        if (cached is None or ((self.lane.busy or self._paced()) and not self._lane_in_time(request))
                 or not self.kv.allocate_slots(request.request_id, request.num_prompt_tokens, cached)):
             return None
         num_cached = len(cached) * self.kv.block_size
@@ -195,12 +194,12 @@ class Scheduler:
         policy = self.config.prefill_lane_policy
         if policy == "overflow" and (self.lane is None or not self._prefill_pressure()):
             return None
-        if policy in ("pace", "cost") and (not self._streams_behind() or self._steps_read_a_prompt()):
+        if self._paced() and (not self._streams_behind() or self._steps_read_a_prompt()):
             return None
         if policy == "cost" and not self._lane_costs_less():
             return None
         cached = self._lane_fit(request)
-        if cached is None or (policy in ("pace", "cost") and not self._lane_sooner(request, cached)):
+        if cached is None or (self._paced() and not self._lane_sooner(request, cached)):
             return None
         return cached
 
@@ -242,12 +241,16 @@ class Scheduler:
             return False
         backlog = self.lane.backlog_ms(time.monotonic())
         tokens = request.num_tokens - request.num_computed_tokens
-        num_decodes = sum(1 for r in self.running if r.num_tokens - r.num_computed_tokens == 1)
+        num_decodes = self._num_decoding()
         steps_ms = self.step_budget.prompt_ms(tokens, num_decodes)
         return backlog is not None and steps_ms is not None and backlog < steps_ms
 
     def _paced(self) -> bool:
         return self.config.prefill_lane_policy in ("pace", "cost")
+
+    def _num_decoding(self) -> int:
+        """Running requests that decode in the next step (their prompts are done)."""
+        return sum(1 for r in self.running if r.num_tokens - r.num_computed_tokens == 1)
 
     def _steps_read_a_prompt(self) -> bool:
         """A running request still has prompt tokens to compute in the steps (a chunked prompt)."""
@@ -269,7 +272,7 @@ class Scheduler:
         tokens = request.num_prompt_tokens - len(cached) * self.kv.block_size
         ahead = sum(r.num_tokens - r.num_computed_tokens for r in self.running
                     if r.num_tokens - r.num_computed_tokens > 1)
-        num_decodes = sum(1 for r in self.running if r.num_tokens - r.num_computed_tokens == 1)
+        num_decodes = self._num_decoding()
         steps_ms = self.step_budget.prompt_ms(ahead + tokens, num_decodes, beside_lane=self.lane.busy)
         if steps_ms is None:
             return True

@@ -19,6 +19,7 @@ import json
 import os
 import statistics
 from collections import defaultdict
+from collections.abc import Iterable
 from pathlib import Path
 
 from engine.step_budget import APART_FROM_LANE
@@ -33,7 +34,7 @@ class StepLog:
         self._prompt_steps: dict[str, int] = {}  # request id -> steps that computed some of its prompt so far
 
     def step(self, *, start: float, end: float, decodes: int, prompt_tokens: int, lane_share: float,
-             waiting: int, in_lane: int, prompt_ids: list[str] = ()) -> None:
+             waiting: int, in_lane: int, prompt_ids: Iterable[str] = ()) -> None:
         for request_id in prompt_ids:
             self._prompt_steps[request_id] = self._prompt_steps.get(request_id, 0) + 1
         gap_ms = None if self._last_end is None else round((start - self._last_end) * 1000.0, 3)

@@ -915,12 +915,23 @@ def add_and_check_where_it_went(core, step, tokens: dict[str, list[int]], name: 
     assert core.scheduler.running and all(len(tokens[s]) < 200 for s in ("s0", "s1"))
 
 
-def test_the_cost_policy_gives_the_lane_a_prompt_only_when_it_costs_the_streams_less(tiny_llama_dir):
-    core = build(tiny_llama_dir, LANE_MIN, max_model_len=512, prefill_lane_policy="cost", prefill_lane_pace_ms=60.0)
+def policy_core(model_dir, policy: str, **kwargs):
+    """An engine with the lane under ``policy`` (pace bound 60 ms), the prompts it computes
+    recorded (``wrap_lane``): the core, that record, the tokens each request got, and a step that
+    collects them. The tests below pair it with two streams of ``LONG_STREAMS`` decoding."""
+    core = build(model_dir, LANE_MIN, max_model_len=512, prefill_lane_policy=policy, prefill_lane_pace_ms=60.0,
+                 **kwargs)
     seen = wrap_lane(core)
     tokens: dict[str, list[int]] = {}
-    step = functools.partial(step_into, core, tokens)
-    streams = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+    return core, seen, tokens, functools.partial(step_into, core, tokens)
+
+
+LONG_STREAMS = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+
+
+def test_the_cost_policy_gives_the_lane_a_prompt_only_when_it_costs_the_streams_less(tiny_llama_dir):
+    core, seen, tokens, step = policy_core(tiny_llama_dir, "cost")
+    streams = LONG_STREAMS
     pace, costs = SetPace(75.0), SetTradeoff()
     # (prompt, the streams' pace, ms per prompt token for the streams in the lane and in the steps,
     #  seconds since each was measured, whether the lane takes it)
@@ -964,12 +975,8 @@ def test_a_ttft_ratio_gives_the_lane_a_prompt_only_when_it_answers_about_as_soon
     tokens running requests still lack counted ahead of it), and never while the steps read a
     prompt. Here the steps take 30 ms a step beside the decodes and 1 ms a prompt token: a lone
     100-token prompt 130 ms."""
-    core = build(tiny_llama_dir, LANE_MIN, max_model_len=512, prefill_lane_policy="pace", prefill_lane_pace_ms=60.0,
-                 prefill_lane_ttft_ratio=1.2)
-    seen = wrap_lane(core)
-    tokens: dict[str, list[int]] = {}
-    step = functools.partial(step_into, core, tokens)
-    streams = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+    core, seen, tokens, step = policy_core(tiny_llama_dir, "pace", prefill_lane_ttft_ratio=1.2)
+    streams = LONG_STREAMS
     pace, costs = SetPace(75.0), FixedTradeoff()
     costs.decode_ms_apart, costs.step_ms_per_token = 30.0, 1.0
     # (prompt, its length, the lane's ms per token (None: not measured), whether the lane takes it)
@@ -1057,12 +1064,8 @@ def test_under_pace_the_lane_stays_out_of_a_queue_it_would_not_get_through_and_o
     (else the steps read the queue on every thread, one prompt after the other), and never while
     the steps are reading a prompt of their own (the two would read one each, on half the
     threads each)."""
-    core = build(tiny_llama_dir, LANE_MIN, max_model_len=512, prefill_lane_policy="pace", prefill_lane_pace_ms=60.0,
-                 prefill_lane_max_wait_ms=2000.0)
-    seen = wrap_lane(core)
-    tokens: dict[str, list[int]] = {}
-    step = functools.partial(step_into, core, tokens)
-    streams = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+    core, seen, tokens, step = policy_core(tiny_llama_dir, "pace", prefill_lane_max_wait_ms=2000.0)
+    streams = LONG_STREAMS
     names = ["q0", "q1", "q2", "lone", "chunked", "next"]
     prompts = {name: long_prompt(90 + index, 100) for index, name in enumerate(names)}
     pace = SetPace(75.0)
@@ -1109,7 +1112,7 @@ def test_a_prompt_the_busy_lane_would_not_reach_in_time_waits_for_it_only_if_it_
     otherwise the steps read it now, beside the lane."""
     core = build(tiny_llama_dir, LANE_MIN, max_model_len=512, prefill_lane_policy="pace", prefill_lane_pace_ms=60.0)
     release, seen, tokens, step = held_lane(core)
-    streams = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+    streams = LONG_STREAMS
     prompts = {name: long_prompt(110 + index, 100) for index, name in enumerate(("held", "waits"))}
     costs = FixedTradeoff()
     costs.decode_ms_apart, costs.step_ms_per_token = 30.0, 1.0  # the steps read 100 tokens in 130 ms
