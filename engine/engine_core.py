@@ -399,7 +399,8 @@ class EngineCore:
                                lane_share=min(1.0, lane_share), waiting=len(self.scheduler.waiting),
                                in_lane=self.num_in_lane(),
                                prompt_ids=[seq.request_id for seq in scheduled.seqs
-                                           if self.scheduler.requests[seq.request_id].times.first_token is None])
+                                           if self.scheduler.requests[seq.request_id].times.first_token is None],
+                               decode_tables=[seq.block_ids for seq in scheduled.seqs if len(seq.token_ids) == 1])
         updates = self.scheduler.update_from_output(scheduled, runner_output)
         failed_outputs += [self._fail(self.scheduler.requests[request_id], message)
                            for request_id, message in runner_output.failed.items()

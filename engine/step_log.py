@@ -5,7 +5,9 @@ the file line-buffered, so a worker killed mid-run leaves every step it finished
 Step lines: ``{"kind": "step", "end": monotonic s, "ms": the forward and sampling, "gap_ms":
 from the previous step's end to this one's start, "decodes": sequences fed one token,
 "prompt_tokens": the others' tokens, "lane_share": the share of the step the lane computed
-beside it, "waiting": requests waiting for a step, "in_lane": prompts the lane holds}``.
+beside it, "waiting": requests waiting for a step, "in_lane": prompts the lane holds, "kv_blocks":
+the KV blocks the one-token sequences' attention reads, "kv_runs": how many runs of neighbouring
+blocks (ascending or descending) those make: blocks a run is how scattered the KV is}``.
 Lane lines: ``{"kind": "lane", "end", "ms": the prompt's time in the lane, "tokens": its
 length}``. Prompt lines, one per request when its first token comes: ``{"kind": "prompt", "end",
 "tokens": prompt tokens computed (less a prefix-cache hit), "queue_ms": arrival to its first
@@ -34,14 +36,19 @@ class StepLog:
         self._prompt_steps: dict[str, int] = {}  # request id -> steps that computed some of its prompt so far
 
     def step(self, *, start: float, end: float, decodes: int, prompt_tokens: int, lane_share: float,
-             waiting: int, in_lane: int, prompt_ids: Iterable[str] = ()) -> None:
+             waiting: int, in_lane: int, prompt_ids: Iterable[str] = (),
+             decode_tables: Iterable[list[int]] = ()) -> None:
+        kv_blocks = kv_runs = 0
+        for table in decode_tables:
+            kv_blocks += len(table)
+            kv_runs += count_runs(table)
         for request_id in prompt_ids:
             self._prompt_steps[request_id] = self._prompt_steps.get(request_id, 0) + 1
         gap_ms = None if self._last_end is None else round((start - self._last_end) * 1000.0, 3)
         self._last_end = end
         self._write({"kind": "step", "end": round(end, 6), "ms": round((end - start) * 1000.0, 3), "gap_ms": gap_ms,
                      "decodes": decodes, "prompt_tokens": prompt_tokens, "lane_share": round(lane_share, 3),
-                     "waiting": waiting, "in_lane": in_lane})
+                     "waiting": waiting, "in_lane": in_lane, "kv_blocks": kv_blocks, "kv_runs": kv_runs})
 
     def lane(self, *, end: float, elapsed_s: float, tokens: int) -> None:
         self._write({"kind": "lane", "end": round(end, 6), "ms": round(elapsed_s * 1000.0, 3), "tokens": tokens})
@@ -59,6 +66,12 @@ class StepLog:
         self._file.close()
 
 
+def count_runs(table: list[int]) -> int:
+    """Runs of neighbouring blocks in a block table: a new run wherever the next block is not
+    next to the one before it (either way)."""
+    return sum(1 for i, block_id in enumerate(table) if i == 0 or abs(block_id - table[i - 1]) != 1)
+
+
 def _records(path: str | Path) -> list[dict]:
     return [json.loads(line) for line in Path(path).read_text(encoding="utf-8").splitlines()]
 
@@ -67,7 +80,8 @@ def summarise(path: str | Path, bucket: int = 10) -> list[dict]:
     """A log's steps by batch size (decodes, in buckets of ``bucket``), apart for steps with
     prompt tokens and for steps the lane computed beside (for more than ``APART_FROM_LANE`` of
     the step): count, median ms, and for steps with
-    prompt tokens the median ms per prompt token over the bucket's median step without any."""
+    prompt tokens the median ms per prompt token over the bucket's median step without any, and
+    the one-token sequences' KV blocks a run of neighbouring blocks (``count_runs``)."""
     groups: dict[tuple, list[dict]] = defaultdict(list)
     for record in (r for r in _records(path) if r["kind"] == "step"):
         # beside the lane: any share above what the step budget still counts as apart from it
@@ -80,6 +94,9 @@ def summarise(path: str | Path, bucket: int = 10) -> list[dict]:
         row = {"decodes": f"{band * bucket}-{band * bucket + bucket - 1}", "prompt": with_prompt,
                "beside_lane": beside_lane, "steps": len(steps),
                "median_ms": round(statistics.median(r["ms"] for r in steps), 1)}
+        runs = sum(r.get("kv_runs", 0) for r in steps)  # (logs written before the field: none)
+        if runs:
+            row["blocks_per_run"] = round(sum(r["kv_blocks"] for r in steps) / runs, 2)
         if with_prompt and band in plain:
             row["ms_per_prompt_token"] = round(statistics.median(
                 (r["ms"] - plain[band]) / r["prompt_tokens"] for r in steps), 3)
@@ -89,12 +106,12 @@ def summarise(path: str | Path, bucket: int = 10) -> list[dict]:
 
 def report(path: str | Path, bucket: int = 10) -> str:
     """The summary as a markdown table, then the time between steps and the lane's prompts."""
-    lines = ["| decodes | with prompt tokens | beside the lane | steps | median ms | ms per prompt token |",
-             "|---|---|---|---|---|---|"]
+    lines = ["| decodes | with prompt tokens | beside the lane | steps | median ms | ms per prompt token "
+             "| KV blocks a run |", "|---|---|---|---|---|---|---|"]
     for row in summarise(path, bucket):
         lines.append(f"| {row['decodes']} | {'yes' if row['prompt'] else 'no'} | "
                      f"{'yes' if row['beside_lane'] else 'no'} | {row['steps']} | {row['median_ms']} | "
-                     f"{row.get('ms_per_prompt_token', '-')} |")
+                     f"{row.get('ms_per_prompt_token', '-')} | {row.get('blocks_per_run', '-')} |")
     records = _records(path)
     steps = [r for r in records if r["kind"] == "step"]
     lane = [r for r in records if r["kind"] == "lane"]

@@ -8,7 +8,7 @@ import os
 
 from cluster.cli import main
 from engine.sampling_params import SamplingParams
-from engine.step_log import summarise
+from engine.step_log import count_runs, summarise
 from tests.engine.test_prefill_lane import LANE_MIN, build, long_prompt, run, start_streams
 
 MAX_TOKENS = 12
@@ -48,6 +48,10 @@ def test_the_step_log_counts_every_fed_token_once(tiny_llama_dir, tmp_path, monk
     assert all(prompts[len(p)]["steps"] >= 1 for p in short.values())
     assert all(r["queue_ms"] >= 0 and r["read_ms"] >= 0 for r in prompts.values())
 
+    # the one-token sequences' KV: at least a block each, in runs of neighbouring blocks
+    assert all(r["kv_blocks"] >= r["kv_runs"] >= (1 if r["decodes"] else 0) for r in steps)
+    assert any(r["kv_runs"] for r in steps)
+
     rows = summarise(path)
     assert sum(row["steps"] for row in rows) == len(steps)
     assert {row["prompt"] for row in rows} == {True, False}
@@ -55,6 +59,12 @@ def test_the_step_log_counts_every_fed_token_once(tiny_llama_dir, tmp_path, monk
     printed = capsys.readouterr().out
     assert f"{len(steps)} steps" in printed and "lane: 1 prompts" in printed
     assert "| the lane (or another worker) | 1 |" in printed
+
+
+def test_runs_of_neighbouring_blocks_either_way():
+    assert count_runs([]) == 0 and count_runs([7]) == 1
+    assert count_runs([3, 4, 5, 9, 8, 7, 20]) == 3  # ascending, descending, one alone
+    assert count_runs([1, 3, 5]) == 3 and count_runs([5, 5]) == 2
 
 
 def test_no_log_is_written_unless_asked(tiny_llama_dir, monkeypatch):
