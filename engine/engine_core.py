@@ -127,7 +127,8 @@ class EngineCore:
         self.block_pool = BlockPool(num_blocks, free_order_seed)
         namespace = namespace_digest(model_cfg.served_model_name, config.cache.block_size, str(model_cfg.dtype))
         self.kv_manager = KVCacheManager(
-            self.block_pool, config.cache.block_size, namespace, config.cache.enable_prefix_caching
+            self.block_pool, config.cache.block_size, namespace, config.cache.enable_prefix_caching,
+            ahead_blocks=envs.kv_ahead_blocks(),
         )
         self.kv_cache = KVCache(model_cfg.arch, num_blocks, config.cache.block_size, model_cfg.dtype, device,
                                 triton=backend.uses_triton)

@@ -40,3 +40,11 @@ def onednn_mid_pack_disabled() -> bool:
     """``TANDEM_ONEDNN_MID_PACK=0`` serves every bfloat16 product above the native kernel's rows
     with the weight packed for one row (engine/models/linear.py), for comparisons."""
     return os.environ.get("TANDEM_ONEDNN_MID_PACK") == "0"
+
+
+def kv_ahead_blocks() -> int:
+    """``TANDEM_KV_AHEAD_BLOCKS=N``: how many blocks past its need a growing block table takes
+    and holds for its next growth, as one run with its new blocks (engine/kv_cache/manager.py;
+    default 7: runs of 128 tokens, the block vLLM's CPU backend uses); 0 turns it off, for
+    comparisons."""
+    return int(os.environ.get("TANDEM_KV_AHEAD_BLOCKS", "7"))

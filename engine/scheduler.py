@@ -92,7 +92,7 @@ class Scheduler:
             raise ValueError(f"request id '{request.request_id}' is already in use")
         cached = self.kv.find_cached_prefix(request)
         num_cached = len(cached) * self.kv.block_size
-        while not self.kv.allocate_slots(request.request_id, request.num_prompt_tokens, cached):
+        while not self._allocate(request, request.num_prompt_tokens, cached):
             victim = self._lower_than(request)  # priority policy: a lower class yields its blocks
             if victim is None:
                 return None
@@ -136,6 +136,12 @@ class Scheduler:
         self.waiting.add_back(request)
         return True
 
+    def _allocate(self, request: Request, num_total_tokens: int, cached: list[int] = ()) -> bool:
+        """The request's blocks for ``num_total_tokens`` (KVCacheManager.allocate_slots), told how
+        far it may grow: its last sampled token needs no KV."""
+        may_reach = min(request.num_prompt_tokens + request.max_tokens - 1, self.max_model_len)
+        return self.kv.allocate_slots(request.request_id, num_total_tokens, cached, may_reach)
+
     def take_for_lane(self) -> ScheduledSeq | None:
         """The next waiting prompt, whole, for the prefill lane (engine/prefill_lane.py), if the
         head of the queue is one for it (``_lane_hit``) and a sequence slot and its blocks are
@@ -147,7 +153,7 @@ class Scheduler:
         cached = self._lane_hit(request)
         # pace and cost: an idle lane too takes only what it gets through in time (_lane_hit)
         if (cached is None or ((self.lane.busy or self._paced()) and not self._lane_in_time(request))
-                or not self.kv.allocate_slots(request.request_id, request.num_prompt_tokens, cached)):
+                or not self._allocate(request, request.num_prompt_tokens, cached)):
             return None
         num_cached = len(cached) * self.kv.block_size
         self.waiting.pop()
@@ -341,7 +347,7 @@ class Scheduler:
         num_new = 1 if num_left == 1 else min(num_left, step.budget, step.prompt_room)
         if num_new <= 0:
             return  # a prompt chunk with no room left this step
-        while not self.kv.allocate_slots(request.request_id, request.num_computed_tokens + num_new):
+        while not self._allocate(request, request.num_computed_tokens + num_new):
             victim = self._victim()
             self._preempt_in_step(victim, step)
             step.preempted.append(victim.request_id)
@@ -373,7 +379,7 @@ class Scheduler:
                 # the next prompt's head). It starts in a step of its own instead.
                 return
             if (len(self.running) >= self.config.max_num_seqs
-                    or not self.kv.allocate_slots(request.request_id, num_cached + num_new, cached)):
+                    or not self._allocate(request, num_cached + num_new, cached)):
                 victim = self._lower_than(request)
                 if victim is None:
                     return

@@ -7,6 +7,12 @@ A block is in one of three conditions:
   * free:            ref_cnt == 0, in the free queue, no digest.
 The free queue is LRU: allocation takes from the front, evicting a cached block's digest;
 freed blocks go to the back. ``check_integrity`` asserts all of this.
+
+A block that extends a sequence is taken next to the sequence's last one where that block is
+free and its contents do not matter (no digest) or are about to be evicted anyway (among the
+``neighbour_window`` oldest free blocks): decode attention reads a sequence's blocks in order,
+and scattered one by one they cost a decode step 1.14-1.76x (docs/benchmarks.md, "A stream's
+KV in runs"). KVCacheManager takes blocks ahead, in runs, for the same reason.
 """
 
 from __future__ import annotations
@@ -14,7 +20,8 @@ from __future__ import annotations
 import random
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Callable
+from itertools import islice
+from typing import Callable, Sequence
 
 from engine.kv_cache.block_hash import BlockHash
 
@@ -39,12 +46,26 @@ class BlockPool:
     ``free_order_seed`` shuffles the initial free queue (tests use it to prove nothing
     depends on blocks being contiguous). Discard listeners are called with the ids of blocks
     whose contents just stopped mattering: freed without a digest, or evicted from the cache.
+    ``neighbours``: whether a sequence's next block is taken next to its last one (the module
+    docstring; default: yes, except on a shuffled pool, which is there to hand out scattered
+    blocks); ``neighbour_window``: how many of the oldest free blocks such a block may be taken
+    from out of LRU order even if cached (0: only uncached neighbours; default: a sixteenth of
+    the pool, at most 64, so that the prefix cache's eviction order moves only among blocks
+    about to be evicted anyway).
     """
 
-    def __init__(self, num_blocks: int, free_order_seed: int | None = None) -> None:
+    def __init__(self, num_blocks: int, free_order_seed: int | None = None, neighbours: bool | None = None,
+                 neighbour_window: int | None = None) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        if neighbour_window is None:
+            neighbour_window = min(64, num_blocks // 16)
+        if neighbour_window < 0:
+            raise ValueError(f"neighbour_window must be >= 0, got {neighbour_window}")
         self.num_blocks = num_blocks
+        self.neighbours = free_order_seed is None if neighbours is None else neighbours
+        self.neighbour_window = neighbour_window
+        self.num_neighbours = 0  # blocks taken next to their sequence's last one, out of LRU order
         order = list(range(num_blocks))
         if free_order_seed is not None:
             random.Random(free_order_seed).shuffle(order)
@@ -90,12 +111,28 @@ class BlockPool:
     def can_allocate(self, num_blocks: int) -> bool:
         return num_blocks <= len(self._free)
 
-    def allocate(self, num_blocks: int) -> list[int]:
-        """Take ``num_blocks`` blocks from the LRU front (ref 0 -> 1), evicting their
-        digests. Caller checks ``can_allocate``."""
+    def allocate(self, num_blocks: int, tail: Sequence[int] = ()) -> list[int]:
+        """Take ``num_blocks`` blocks (ref 0 -> 1), evicting their digests: each next to the
+        block before it (``tail``, the block table they extend, then each one taken) where the
+        neighbour may be taken (``_neighbour``), else from the LRU front. Caller checks
+        ``can_allocate``."""
         if num_blocks > len(self._free):
             raise RuntimeError(f"asked for {num_blocks} blocks, {len(self._free)} free")
-        block_ids = [self._free.popitem(last=False)[0] for _ in range(num_blocks)]
+        block_ids: list[int] = []
+        prev = list(tail[-2:])
+        oldest: set[int] | None = None  # the window's blocks, listed once a cached neighbour needs it
+        for _ in range(num_blocks):
+            block_id = None
+            if prev and self.neighbours:
+                block_id, oldest = self._neighbour(prev, oldest)
+            if block_id is None:
+                block_id = self._free.popitem(last=False)[0]
+            else:
+                if block_id != next(iter(self._free)):
+                    self.num_neighbours += 1
+                del self._free[block_id]
+            block_ids.append(block_id)
+            prev = [prev[-1], block_id] if prev else [block_id]
         evicted = []
         for block_id in block_ids:
             assert self._ref_cnt[block_id] == 0, f"block {block_id} in free queue with refs"
@@ -110,6 +147,23 @@ class BlockPool:
         self.num_evictions += len(evicted)
         self._discarded(evicted)
         return block_ids
+
+    def _neighbour(self, prev: list[int], oldest: set[int] | None) -> tuple[int | None, set[int] | None]:
+        """A free block next to ``prev[-1]`` that may be taken out of LRU order: uncached, or
+        among the ``neighbour_window`` oldest free blocks. The run's direction first (``prev``'s
+        two blocks ascending or descending), then the other side."""
+        block_id = prev[-1]
+        step = -1 if len(prev) == 2 and prev[0] == block_id + 1 else 1
+        for candidate in (block_id + step, block_id - step):
+            if candidate not in self._free:
+                continue  # (also out of range: the free queue holds only valid ids)
+            if self._hash_of[candidate] is None:
+                return candidate, oldest
+            if oldest is None:
+                oldest = set(islice(self._free, self.neighbour_window))
+            if candidate in oldest:
+                return candidate, oldest
+        return None, oldest
 
     def touch(self, block_ids: list[int]) -> None:
         """Take a reference to cached blocks (a prefix-cache hit); free ones leave the queue."""

@@ -30,20 +30,40 @@ class KVCacheManager:
 
     Only full, computed blocks are ever cached, and a cached block is never written again:
     new tokens always land in blocks past the cached prefix.
+
+    With ``ahead_blocks``, a table that takes fresh blocks also takes up to that many more
+    (next to its last where the pool has them, BlockPool.allocate) and holds them aside for its
+    next growth, as far as the request may grow (``may_reach``): a stream that took one block
+    per 16 tokens between other requests' blocks had its KV scattered one block at a time, and
+    a served worker's free queue, and so its prompts' blocks, more scattered the longer it
+    served (docs/benchmarks.md, "A stream's KV in runs"). Blocks held ahead are
+    not in the table; they go back to the pool before any allocation would fall short, so they
+    never refuse a request or preempt one, and only while more than an eighth of the pool is
+    free are any taken.
     """
 
-    def __init__(self, pool: BlockPool, block_size: int, namespace: BlockHash, enable_prefix_caching: bool = True):
+    def __init__(self, pool: BlockPool, block_size: int, namespace: BlockHash, enable_prefix_caching: bool = True,
+                 ahead_blocks: int = 0):
+        if ahead_blocks < 0:
+            raise ValueError(f"ahead_blocks must be >= 0, got {ahead_blocks}")
         self.pool = pool
         self.block_size = block_size
         self.namespace = namespace
         self.enable_prefix_caching = enable_prefix_caching
+        self.ahead_blocks = ahead_blocks
         self.stats = PrefixCacheStats()
         self._tables: dict[str, list[int]] = {}
+        self._ahead: dict[str, list[int]] = {}  # request id -> blocks held for its next growth
         self._num_registered: dict[str, int] = {}  # request id -> leading blocks already cached
         # a request whose blocks another thread is writing (engine/prefill_lane.py): freeing it
         # parks its table here until that thread is done with it (unpin)
         self._pinned: set[str] = set()
         self._parked: dict[str, list[list[int]]] = {}
+
+    @property
+    def num_blocks_ahead(self) -> int:
+        """Blocks held ahead for tables' next growth (in no table)."""
+        return sum(len(blocks) for blocks in self._ahead.values())
 
     def block_table(self, request_id: str) -> list[int]:
         return self._tables.get(request_id, [])
@@ -82,22 +102,60 @@ class KVCacheManager:
         have = len(self._tables.get(request_id, ()))
         return max(0, blocks_needed(num_total_tokens, self.block_size) - have)
 
-    def allocate_slots(self, request_id: str, num_total_tokens: int, cached_blocks: list[int] = ()) -> bool:
+    def allocate_slots(self, request_id: str, num_total_tokens: int, cached_blocks: list[int] = (),
+                       may_reach: int = 0) -> bool:
         """Grow the request's table to cover ``num_total_tokens``, first with ``cached_blocks``
-        (a prefix-cache hit, only for an empty table), then with fresh blocks. Returns False
-        and changes nothing if the pool is short."""
+        (a prefix-cache hit, only for an empty table), then with the blocks it holds ahead, then
+        with fresh blocks (and, by ``may_reach``, the tokens it may come to hold, blocks ahead:
+        the class docstring). Returns False and changes nothing but the blocks held ahead
+        (every request's, given back) if the pool is short."""
         need = self.num_new_blocks(request_id, num_total_tokens) - len(cached_blocks)
         # cached hits that sit in the free queue stop being allocatable once touched
         num_free_hits = sum(1 for b in cached_blocks if self.pool.ref_count(b) == 0)
-        if need > self.pool.num_free_blocks - num_free_hits:
-            return False
+        ahead = self._ahead.get(request_id, [])
+        if need > len(ahead) + self.pool.num_free_blocks - num_free_hits:
+            self.release_ahead()
+            ahead = []
+            if need > self.pool.num_free_blocks - num_free_hits:
+                return False
         table = self._tables.setdefault(request_id, [])
         assert not cached_blocks or not table, "cached blocks only start a table"
         self.pool.touch(list(cached_blocks))
         table.extend(cached_blocks)
         self._num_registered.setdefault(request_id, len(cached_blocks))
-        table.extend(self.pool.allocate(max(need, 0)))
+        if need <= 0:
+            return True
+        from_ahead = ahead[:need]
+        del ahead[:need]
+        table.extend(from_ahead)
+        fresh = need - len(from_ahead)
+        if fresh:
+            extra = self._extra_ahead(len(table) + fresh, fresh, may_reach)
+            blocks = self.pool.allocate(fresh + extra, table)
+            table.extend(blocks[:fresh])
+            ahead.extend(blocks[fresh:])
+        if ahead:
+            self._ahead[request_id] = ahead
+        else:
+            self._ahead.pop(request_id, None)
         return True
+
+    def _extra_ahead(self, num_table_blocks: int, fresh: int, may_reach: int) -> int:
+        """How many blocks past ``fresh`` to take ahead for a table growing to
+        ``num_table_blocks``: up to ``ahead_blocks``, as far as ``may_reach``, and none unless
+        more than an eighth of the pool stays free."""
+        if not self.ahead_blocks or may_reach <= 0:
+            return 0
+        extra = min(self.ahead_blocks, blocks_needed(may_reach, self.block_size) - num_table_blocks)
+        if extra <= 0 or self.pool.num_free_blocks - fresh - extra <= self.pool.num_blocks // 8:
+            return 0
+        return extra
+
+    def release_ahead(self) -> None:
+        """Give every block held ahead back to the pool."""
+        for blocks in self._ahead.values():
+            self.pool.free(blocks)
+        self._ahead.clear()
 
     def cache_full_blocks(self, request: Request) -> None:
         """Register the request's newly full, computed blocks in the prefix cache."""
@@ -121,6 +179,9 @@ class KVCacheManager:
         held, out of its table, until ``unpin``."""
         table = self._tables.pop(request_id, None)
         self._num_registered.pop(request_id, None)
+        ahead = self._ahead.pop(request_id, None)
+        if ahead:
+            self.pool.free(ahead)  # (never written: not even a pinned request's other thread uses them)
         if table and request_id in self._pinned:
             self._parked.setdefault(request_id, []).append(table)
         elif table:
@@ -142,7 +203,7 @@ class KVCacheManager:
         self.pool.check_integrity()
         held: dict[int, int] = {}
         parked = [table for tables in self._parked.values() for table in tables]
-        for table in [*self._tables.values(), *parked]:
+        for table in [*self._tables.values(), *parked, *self._ahead.values()]:
             for block_id in table:
                 held[block_id] = held.get(block_id, 0) + 1
         for block_id, count in held.items():

@@ -27,9 +27,41 @@ def test_allocate_free_and_integrity():
 
 
 def test_shuffled_order_is_deterministic_and_not_sequential():
-    first = BlockPool(64, free_order_seed=3).allocate(64)
+    pool = BlockPool(64, free_order_seed=3)
+    first = pool.allocate(64)
     assert first == BlockPool(64, free_order_seed=3).allocate(64)
     assert first != list(range(64)) and sorted(first) == list(range(64))
+    assert pool.num_neighbours == 0  # a shuffled pool is there to scatter: it takes no neighbours
+
+
+def test_a_growing_table_takes_the_free_block_next_to_its_last_one():
+    pool = BlockPool(8)
+    pool.allocate(8)
+    pool.free([6, 2, 5, 3])  # the free queue: 6, 2, 5, 3 (front first)
+    assert pool.allocate(1, tail=[0, 1]) == [2]  # next to 1, ahead of the LRU front (6)
+    assert pool.allocate(2, tail=[4]) == [5, 6]  # each next to the one before it
+    assert pool.allocate(1, tail=[5, 4]) == [3]  # a descending run goes on descending
+    assert pool.num_neighbours == 2 and pool.num_free_blocks == 0  # 2 and 5 out of LRU order
+    pool.free([7, 1])
+    assert pool.allocate(1, tail=[3]) == [7]  # no free neighbour of 3: the LRU front
+    pool.check_integrity()
+
+
+def test_a_cached_neighbour_is_taken_only_among_the_oldest_free_blocks():
+    digest = b"x" * 16
+    for window, taken in ((2, 0), (4, 5)):
+        pool = BlockPool(8, neighbour_window=window)
+        pool.allocate(8)
+        pool.cache_block(5, digest)
+        pool.free([0, 1, 2, 5])  # 5 is the fourth oldest free block
+        assert pool.allocate(1, tail=[3, 4]) == [taken]
+        # taken out of order, a cached block's digest is evicted like any other's
+        assert pool.lookup(digest) == (5 if taken != 5 else None)
+        pool.check_integrity()
+    pool = BlockPool(4, neighbours=False)
+    pool.allocate(4)
+    pool.free([3, 1])
+    assert pool.allocate(1, tail=[0]) == [3]  # neighbours off: the LRU front
 
 
 def test_manager_grows_tables_and_detects_leaks():
@@ -44,6 +76,41 @@ def test_manager_grows_tables_and_detects_leaks():
     manager.pool.allocate(1)  # a block nobody's table holds
     with pytest.raises(AssertionError, match="held by requests"):
         manager.check_integrity()
+
+
+def test_a_table_holds_blocks_ahead_in_one_run_and_gives_them_back_before_falling_short():
+    manager = KVCacheManager(BlockPool(32), block_size=4, namespace=b"ns", ahead_blocks=3)
+    assert manager.allocate_slots("a", 5, may_reach=40)  # 2 blocks, 3 more ahead
+    assert manager.allocate_slots("b", 4, may_reach=8)  # 1 block, 1 more ahead (as far as it may grow)
+    assert manager.block_table("a") == [0, 1] and manager.block_table("b") == [5]
+    assert manager.num_blocks_ahead == 4 and manager.pool.num_free_blocks == 25
+    manager.check_integrity()  # blocks held ahead are held, not leaked
+    assert manager.allocate_slots("a", 13, may_reach=40) and manager.block_table("a") == [0, 1, 2, 3]
+    assert manager.allocate_slots("a", 17, may_reach=40) and manager.block_table("a") == [0, 1, 2, 3, 4]
+    assert manager.num_blocks_ahead == 1  # b's
+    assert manager.allocate_slots("a", 21, may_reach=40)  # a fresh block and 3 more ahead, one run
+    assert manager.block_table("a") == [0, 1, 2, 3, 4, 7] and manager.num_blocks_ahead == 4
+    # 25 blocks for c: only with every block held ahead given back
+    assert manager.pool.num_free_blocks == 21 and manager.allocate_slots("c", 4 * 25)
+    assert manager.num_blocks_ahead == 0 and manager.pool.num_free_blocks == 0
+    assert not manager.allocate_slots("b", 5, may_reach=8) and manager.block_table("b") == [5]
+    manager.check_integrity()
+    for request_id in ("a", "b", "c"):
+        manager.free(request_id)
+    assert manager.pool.num_free_blocks == 32
+    manager.check_integrity()
+
+
+def test_no_blocks_ahead_while_an_eighth_of_the_pool_or_less_would_stay_free():
+    manager = KVCacheManager(BlockPool(16), block_size=4, namespace=b"ns", ahead_blocks=3)
+    assert manager.allocate_slots("a", 4 * 11, may_reach=400)  # 11 of 16, 3 ahead would leave 2
+    assert manager.num_blocks_ahead == 0 and manager.pool.num_free_blocks == 5
+    manager.free("a")
+    assert manager.allocate_slots("a", 4 * 10, may_reach=400)  # 10, 3 ahead leave 3 (> 16 // 8)
+    assert manager.num_blocks_ahead == 3
+    manager.free("a")
+    assert manager.pool.num_free_blocks == 16
+    manager.check_integrity()
 
 
 def test_prefix_cache_events_are_net_and_only_when_recorded():

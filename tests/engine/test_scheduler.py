@@ -40,6 +40,27 @@ def run_step(scheduler, token_for=lambda rid: 7):
     return out, updates
 
 
+def test_streams_growing_side_by_side_keep_their_kv_in_runs_with_blocks_ahead():
+    """Three streams that take a block every 4 tokens in turn: one block at a time, each one's
+    table is scattered block by block; holding 3 blocks ahead, it is in runs of 4."""
+    from engine.step_log import count_runs
+
+    runs = {}
+    for ahead in (0, 3):
+        kv = KVCacheManager(BlockPool(64), 4, namespace=b"test", ahead_blocks=ahead)
+        sched = Scheduler(SchedulerConfig(8, 64), kv, 256)
+        for rid in "abc":
+            sched.add_request(make_request(rid, 4, max_tokens=30))  # 33 tokens of KV: 9 blocks
+        tables = {}
+        while sched.has_unfinished():
+            out, _ = run_step(sched)
+            tables.update((seq.request_id, seq.block_ids) for seq in out.seqs)
+        assert kv.pool.num_free_blocks == 64 and kv.num_blocks_ahead == 0
+        assert all(len(table) == 9 for table in tables.values())
+        runs[ahead] = [count_runs(table) for table in tables.values()]
+    assert all(n >= 7 for n in runs[0]) and all(n <= 3 for n in runs[3]), runs
+
+
 def test_prefill_then_decode_one_token_per_step():
     sched = make_scheduler()
     sched.add_request(make_request("a", 10, max_tokens=3))
