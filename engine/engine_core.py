@@ -23,7 +23,7 @@ from engine.kernels import prefill_attention
 from engine.kv_cache.block_hash import namespace_digest
 from engine.kv_cache.block_pool import BlockPool
 from engine.kv_cache.kv_cache import KVCache, activation_headroom, gpu_kv_budget, num_blocks_for
-from engine.kv_cache.manager import KVCacheManager
+from engine.kv_cache.manager import KV_RUN_TOKENS, KVCacheManager
 from engine.model_info import ModelInfo
 from engine.model_runner import ModelRunner
 from engine.models.loader import load_model
@@ -124,11 +124,12 @@ class EngineCore:
                 f"{config.cache.block_size}) but max_model_len is {model_cfg.max_model_len}; "
                 "raise num_kv_blocks / the KV memory budget or lower max_model_len"
             )
-        self.block_pool = BlockPool(num_blocks, free_order_seed)
+        runs = not envs.kv_runs_disabled()  # TANDEM_KV_RUNS=0: for comparisons
+        self.block_pool = BlockPool(num_blocks, free_order_seed, neighbours=None if runs else False)
         namespace = namespace_digest(model_cfg.served_model_name, config.cache.block_size, str(model_cfg.dtype))
         self.kv_manager = KVCacheManager(
             self.block_pool, config.cache.block_size, namespace, config.cache.enable_prefix_caching,
-            ahead_blocks=envs.kv_ahead_blocks(),
+            ahead_blocks=max(0, KV_RUN_TOKENS // config.cache.block_size - 1) if runs else 0,
         )
         self.kv_cache = KVCache(model_cfg.arch, num_blocks, config.cache.block_size, model_cfg.dtype, device,
                                 triton=backend.uses_triton)

@@ -42,9 +42,8 @@ def onednn_mid_pack_disabled() -> bool:
     return os.environ.get("TANDEM_ONEDNN_MID_PACK") == "0"
 
 
-def kv_ahead_blocks() -> int:
-    """``TANDEM_KV_AHEAD_BLOCKS=N``: how many blocks past its need a growing block table takes
-    and holds for its next growth, as one run with its new blocks (engine/kv_cache/manager.py;
-    default 7: runs of 128 tokens, the block vLLM's CPU backend uses); 0 turns it off, for
-    comparisons."""
-    return int(os.environ.get("TANDEM_KV_AHEAD_BLOCKS", "7"))
+def kv_runs_disabled() -> bool:
+    """``TANDEM_KV_RUNS=0`` hands out KV blocks as before they were kept in runs: no blocks held
+    ahead for a table's growth, none taken next to the one before it out of LRU order
+    (engine/kv_cache/manager.py, block_pool.py), for comparisons."""
+    return os.environ.get("TANDEM_KV_RUNS") == "0"

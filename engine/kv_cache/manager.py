@@ -8,6 +8,10 @@ from engine.kv_cache.block_hash import BlockHash, hash_blocks
 from engine.kv_cache.block_pool import BlockPool
 from engine.request import Request
 
+# a growing table takes blocks past its need, for its next growth, so that its KV is in runs of
+# this many tokens (KVCacheManager): the block vLLM's CPU backend uses
+KV_RUN_TOKENS = 128
+
 
 def blocks_needed(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)

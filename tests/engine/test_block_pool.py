@@ -130,3 +130,33 @@ def test_prefix_cache_events_are_net_and_only_when_recorded():
     events = pool.take_events()
     assert sorted(events.evicted) == [b"a" * 16, b"b" * 16] and events.stored == []
     assert pool.cached_digests() == [] and not pool.take_events()
+
+
+def test_an_engine_keeps_each_sequence_in_runs_unless_told_not_to_with_the_same_tokens(tiny_llama_dir, monkeypatch):
+    """Served side by side, sequences that grow a block every 16 tokens: in runs of neighbouring
+    blocks by default, scattered block by block with ``TANDEM_KV_RUNS=0``; the same tokens."""
+    from engine.sampling_params import SamplingParams
+    from engine.step_log import count_runs
+    from tests.conftest import make_llm
+
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    prompts = [[10 + 7 * i + j for j in range(17 + i)] for i in range(4)]
+    tokens, runs = {}, {}
+    for setting in ("0", "1"):
+        monkeypatch.setenv("TANDEM_KV_RUNS", setting)
+        core = make_llm(model=str(tiny_llama_dir), dtype="float32", num_kv_blocks=256, max_model_len=256).engine_core
+        assert core.kv_manager.ahead_blocks == (7 if setting == "1" else 0)
+        got: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
+        for i, prompt in enumerate(prompts):
+            core.add_request(core.make_request(f"r{i}", prompt, params))
+        for step in range(60):
+            for output in core.step():
+                got[output.request_id] += output.new_token_ids
+            if step == 30:  # 17-20 prompt tokens and 30 more: 3-4 blocks each, grown side by side
+                runs[setting] = [count_runs(core.kv_manager.block_table(name)) for name in got]
+            if not core.has_unfinished_requests():
+                break
+        tokens[setting] = got
+        assert core.block_pool.num_free_blocks == core.block_pool.num_blocks
+    assert all(len(ids) == 40 for ids in tokens["1"].values()) and tokens["1"] == tokens["0"]
+    assert all(n == 1 for n in runs["1"]) and all(n >= 2 for n in runs["0"]), runs

@@ -55,8 +55,11 @@ def test_the_step_log_counts_every_fed_token_once(tiny_llama_dir, tmp_path, monk
     rows = summarise(path)
     assert sum(row["steps"] for row in rows) == len(steps)
     assert {row["prompt"] for row in rows} == {True, False}
-    assert main(["bench", "steps", str(path)]) == 0
+    halves = [summarise(path, part=(index, 2)) for index in range(2)]
+    assert sum(row["steps"] for rows_ in halves for row in rows_) == len(steps)
+    assert main(["bench", "steps", str(path), "--parts", "2"]) == 0
     printed = capsys.readouterr().out
+    assert "| 1 of 2 |" in printed and "| 2 of 2 |" in printed
     assert f"{len(steps)} steps" in printed and "lane: 1 prompts" in printed
     assert "| the lane (or another worker) | 1 |" in printed
 
