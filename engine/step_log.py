@@ -81,14 +81,16 @@ def _records(path: str | Path) -> list[dict]:
     return [json.loads(line) for line in data.decode("utf-8").splitlines()]
 
 
-def summarise(path: str | Path, bucket: int = 10, part: tuple[int, int] | None = None) -> list[dict]:
+def summarise(path: str | Path | list[dict], bucket: int = 10, part: tuple[int, int] | None = None) -> list[dict]:
     """A log's steps by batch size (decodes, in buckets of ``bucket``), apart for steps with
     prompt tokens and for steps the lane computed beside (for more than ``APART_FROM_LANE`` of
     the step): count, median ms, and for steps with
     prompt tokens the median ms per prompt token over the bucket's median step without any, and
     the one-token sequences' KV blocks a run of neighbouring blocks (``count_runs``). ``part``
-    (i, n): only the i-th of n consecutive equal shares of the log's steps."""
-    steps = [r for r in _records(path) if r["kind"] == "step"]
+    (i, n): only the i-th of n consecutive equal shares of the log's steps. ``path``: the log,
+    or its records already read."""
+    records = path if isinstance(path, list) else _records(path)
+    steps = [r for r in records if r["kind"] == "step"]
     if part is not None:
         index, num_parts = part
         steps = steps[index * len(steps) // num_parts:(index + 1) * len(steps) // num_parts]
@@ -118,9 +120,10 @@ def report(path: str | Path, bucket: int = 10, parts: int = 1) -> str:
     """The summary as a markdown table, then the time between steps and the lane's prompts;
     with ``parts`` > 1, the decode-only steps of each consecutive share of the log too (how a
     worker's steps and KV layout changed as it served)."""
+    records = _records(path)
     lines = ["| decodes | with prompt tokens | beside the lane | steps | median ms | ms per prompt token "
              "| KV blocks a run |", "|---|---|---|---|---|---|---|"]
-    for row in summarise(path, bucket):
+    for row in summarise(records, bucket):
         lines.append(f"| {row['decodes']} | {'yes' if row['prompt'] else 'no'} | "
                      f"{'yes' if row['beside_lane'] else 'no'} | {row['steps']} | {row['median_ms']} | "
                      f"{row.get('ms_per_prompt_token', '-')} | {row.get('blocks_per_run', '-')} |")
@@ -128,11 +131,10 @@ def report(path: str | Path, bucket: int = 10, parts: int = 1) -> str:
         lines += ["", "| part of the log | decodes | decode-only steps | median ms | KV blocks a run |",
                   "|---|---|---|---|---|"]
         for index in range(parts):
-            for row in summarise(path, bucket, (index, parts)):
+            for row in summarise(records, bucket, (index, parts)):
                 if not row["prompt"] and not row["beside_lane"]:
                     lines.append(f"| {index + 1} of {parts} | {row['decodes']} | {row['steps']} | "
                                  f"{row['median_ms']} | {row.get('blocks_per_run', '-')} |")
-    records = _records(path)
     steps = [r for r in records if r["kind"] == "step"]
     lane = [r for r in records if r["kind"] == "lane"]
     gaps = [r["gap_ms"] for r in steps if r["gap_ms"] is not None]

@@ -132,7 +132,7 @@ def test_prefix_cache_events_are_net_and_only_when_recorded():
     assert pool.cached_digests() == [] and not pool.take_events()
 
 
-def test_an_engine_keeps_each_sequence_in_runs_unless_told_not_to_with_the_same_tokens(tiny_llama_dir, monkeypatch):
+def test_an_engine_keeps_each_sequence_in_runs_unless_told_not_to(tiny_llama_dir, monkeypatch):
     """Served side by side, sequences that grow a block every 16 tokens: in runs of neighbouring
     blocks by default, scattered block by block with ``TANDEM_KV_RUNS=0``; the same tokens."""
     from engine.sampling_params import SamplingParams
@@ -160,3 +160,42 @@ def test_an_engine_keeps_each_sequence_in_runs_unless_told_not_to_with_the_same_
         assert core.block_pool.num_free_blocks == core.block_pool.num_blocks
     assert all(len(ids) == 40 for ids in tokens["1"].values()) and tokens["1"] == tokens["0"]
     assert all(n == 1 for n in runs["1"]) and all(n >= 2 for n in runs["0"]), runs
+
+
+def test_an_engine_gives_blocks_held_ahead_back_rather_than_make_prompts_wait(tiny_llama_dir, monkeypatch):
+    """A 24-block pool: a stream holds 7 blocks ahead (6 once its next token takes one) when three
+    7-block prompts come, 21 blocks with 16 free. All three are admitted in that step, as without
+    blocks ahead, none is preempted, and every request gets the same tokens either way."""
+    from engine.sampling_params import SamplingParams
+    from tests.conftest import make_llm
+
+    long_params = SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True)
+    short_params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    prompts = {name: [20 + 9 * i + j for j in range(100)] for i, name in enumerate("bcd")}
+    tokens = {}
+    for setting in ("0", "1"):
+        monkeypatch.setenv("TANDEM_KV_RUNS", setting)
+        core = make_llm(model=str(tiny_llama_dir), dtype="float32", num_kv_blocks=24, max_model_len=256).engine_core
+        got: dict[str, list[int]] = {name: [] for name in "abcd"}
+        finished: dict[str, object] = {}
+
+        def step():
+            for output in core.step():
+                got[output.request_id] += output.new_token_ids
+                if output.finish_reason is not None:
+                    finished[output.request_id] = output
+
+        core.add_request(core.make_request("a", list(range(30, 46)), long_params))  # 16 tokens, 116 at most
+        step()
+        assert core.kv_manager.num_blocks_ahead == (7 if setting == "1" else 0)  # 1 block and 7 ahead
+        for name, prompt in prompts.items():
+            core.add_request(core.make_request(name, prompt, short_params))
+        step()
+        assert all(len(got[name]) == 1 for name in "bcd"), got  # all three read in that step
+        assert core.kv_manager.num_blocks_ahead == 0
+        while core.has_unfinished_requests():
+            step()
+        assert all(finished[name].num_preemptions == 0 for name in "abcd")
+        assert core.block_pool.num_free_blocks == core.block_pool.num_blocks
+        tokens[setting] = got
+    assert len(tokens["1"]["a"]) == 100 and tokens["1"] == tokens["0"]
